@@ -1,0 +1,40 @@
+# shardsink: the two commands a newcomer needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export PYSPARK_PYTHON := $(abspath $(VPY))
+export PYSPARK_DRIVER_PYTHON := $(abspath $(VPY))
+
+.PHONY: venv test test-fast up demo bench bench-shard bench-kafka lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## make test: create .venv, install the project with its test dependencies, run the suite
+test: $(STAMP)
+	$(VPY) -m pytest $(ARGS)
+
+## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground
+up: $(STAMP)
+	$(VPY) -m shared.embedded
+
+## make bench-shard: shard storage layer benchmark (last line: JSON figures)
+bench-shard: $(STAMP)
+	$(VPY) bench/bench_shard.py $(ARGS)
+
+## make bench-kafka: Kafka source/sink benchmark (last line: JSON figures)
+bench-kafka: $(STAMP)
+	$(VPY) bench/bench_kafka.py $(ARGS)
+
+lint: $(STAMP)
+	$(VPY) -m ruff check shared services tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

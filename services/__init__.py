@@ -1,0 +1,1 @@
+"""The shardsink services: mint, write, append (the sink) and the controller."""

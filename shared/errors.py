@@ -1,0 +1,134 @@
+"""The project's error hierarchy.
+
+One root (:class:`ShardsinkError`), one root per layer, structured fields, and messages of the
+form "expected X, found Y". *Determinate* failures (definitely not applied) and
+*indeterminate* ones (the outcome is unknown: retry with the same idempotency token) are
+different types. Third-party errors (botocore, confluent_kafka) are translated at the adapter
+boundary with ``raise OurError(...) from e``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ShardsinkError(Exception):
+    """Root of every error this project raises on purpose."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.fields = fields
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+# -- storage layer -------------------------------------------------------------------------
+
+
+class StorageError(ShardsinkError):
+    """Root of the shard storage layer's errors."""
+
+
+class DeterminateError(StorageError):
+    """The operation definitely did not take effect."""
+
+
+class IndeterminateError(StorageError):
+    """The operation may or may not have taken effect (e.g. a timeout after a PUT was sent).
+
+    Retry with the same idempotency token: an append that landed is recognised and is not
+    applied twice.
+    """
+
+
+class ObjectStoreError(DeterminateError):
+    """The object store refused or failed a request; nothing was written by it."""
+
+
+class ObjectNotFoundError(DeterminateError):
+    """An object that was expected to exist does not."""
+
+
+class PreconditionFailedError(DeterminateError):
+    """A conditional write lost: the object exists already (``If-None-Match: *``)."""
+
+
+class ConflictRetryError(DeterminateError):
+    """The store answered 409 (concurrent conditional write): re-read and retry."""
+
+
+class UpperMismatchError(DeterminateError):
+    """compare_and_append's expected upper is not the shard's upper. ``current`` is the upper."""
+
+
+class InvalidUsageError(DeterminateError):
+    """The call breaks the API's contract (bad times, bad frontiers, bad schema...)."""
+
+
+class ShardNotFoundError(DeterminateError):
+    """No shard exists at the given id."""
+
+
+class ShardExistsError(DeterminateError):
+    """A shard with this id exists already with another definition."""
+
+
+class ShardDroppedError(DeterminateError):
+    """The shard has been dropped (its since and upper are the empty frontier)."""
+
+
+class SchemaMismatchError(DeterminateError):
+    """Rows or a schema do not match the shard's schema."""
+
+
+class SinceViolationError(DeterminateError):
+    """A read at a time below the shard's since (history compacted away)."""
+
+
+class NotReadableYetError(DeterminateError):
+    """A read at a time at or beyond the shard's upper, after waiting the stated timeout."""
+
+
+class StagedBatchExpiredError(DeterminateError):
+    """A staged batch is older than the safe window and may have been garbage collected."""
+
+
+class ReaderExpiredError(DeterminateError):
+    """A leased reader handle expired (not renewed in time) and no longer holds since."""
+
+
+class FormatError(DeterminateError):
+    """A stored object does not decode with the expected format version."""
+
+
+# -- codecs and messages -------------------------------------------------------------------
+
+
+class CodecError(ShardsinkError):
+    """Root of encode/decode errors of messages and rows."""
+
+
+class DecodeError(CodecError):
+    """Bytes that do not decode: truncated, unknown fingerprint, wrong schema."""
+
+
+class EncodeError(CodecError):
+    """A value that does not fit the schema it is encoded with."""
+
+
+# -- Kafka adapters ------------------------------------------------------------------------
+
+
+class KafkaAdapterError(ShardsinkError):
+    """Root of Kafka adapter errors (translated from confluent_kafka)."""
+
+
+# -- sink and controller -------------------------------------------------------------------
+
+
+class ContractViolationError(ShardsinkError):
+    """An update breaks the desired-topic contract (a time below its partition's progress)."""
+
+
+class CommandError(ShardsinkError):
+    """A controller command was rejected; ``kind`` names the typed error in the response."""

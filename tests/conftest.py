@@ -1,0 +1,66 @@
+"""Shared fixtures: one embedded stack (Tansu + moto) and one SparkSession per test session.
+
+Both are expensive to start (the SparkSession takes about 5 s), so they are session-scoped;
+tests isolate themselves by using fresh shard ids, topic names and checkpoint dirs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared.embedded import EmbeddedStack
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[EmbeddedStack]:
+    with EmbeddedStack() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def s3_client(stack: EmbeddedStack) -> Any:
+    import boto3
+
+    env = stack.env()
+    return boto3.client(
+        "s3",
+        endpoint_url=stack.s3_endpoint,
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    warehouse = tmp_path_factory.mktemp("spark-warehouse")
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("shardsink-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.warehouse.dir", str(warehouse))
+        .config("spark.driver.memory", "2g")
+        .config("spark.sql.streaming.stopTimeout", "30s")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def unique_id() -> str:
+    """A fresh id for shards, topics and checkpoints of one test."""
+    return uuid.uuid4().hex[:12]
