@@ -116,6 +116,11 @@ class EncodeError(CodecError):
     """A value that does not fit the schema it is encoded with."""
 
 
+class SchemaError(CodecError):
+    """A schema is not acceptable: not valid Avro, not a record, a reserved field name, or a
+    type with no Arrow/Parquet mapping (a non-nullable union, a recursive type)."""
+
+
 # -- Kafka adapters ------------------------------------------------------------------------
 
 
