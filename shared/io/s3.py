@@ -1,0 +1,225 @@
+"""The S3 object store (boto3), for AWS S3, MinIO and moto.
+
+The only atomic primitive used is the conditional PUT (``If-None-Match: *``). botocore errors
+are translated here, at the boundary, into the project's typed errors:
+
+| botocore                                   | ours                                     |
+| ------------------------------------------ | ---------------------------------------- |
+| 412 PreconditionFailed                     | PreconditionFailedError (determinate)    |
+| 409 ConditionalRequestConflict             | ConflictRetryError (re-read and retry)   |
+| 404 NoSuchKey                              | ObjectNotFoundError                      |
+| read timeout / connection closed after send| IndeterminateError                       |
+| connect timeout / other client errors      | ObjectStoreError (determinate)            |
+
+Settings come from :class:`S3Settings` (environment variables ``SHARDSINK_S3_ENDPOINT``,
+``SHARDSINK_S3_BUCKET``, ``SHARDSINK_S3_PREFIX`` and the standard AWS credential chain, or
+``AWS_ACCESS_KEY_ID_FILE`` / ``AWS_SECRET_ACCESS_KEY_FILE`` for mounted secrets).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
+
+from shared.errors import (
+    ConflictRetryError,
+    IndeterminateError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    PreconditionFailedError,
+)
+from shared.objectstore import ObjectInfo
+
+
+def _read_secret(name: str) -> str | None:
+    v = os.environ.get(name)
+    if v:
+        return v
+    path = os.environ.get(f"{name}_FILE")
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    bucket: str
+    endpoint: str | None = None
+    prefix: str = ""
+    region: str = "us-east-1"
+    access_key: str | None = None
+    secret_key: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_pool_connections: int = 32
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise ValueError("expected a non-empty S3 bucket name, found ''")
+        if self.prefix and (self.prefix.startswith("/") or ".." in self.prefix.split("/")):
+            raise ValueError(f"expected a relative S3 prefix without '..', found {self.prefix!r}")
+
+    @staticmethod
+    def from_env(env: dict[str, str] | None = None) -> S3Settings:
+        e = dict(os.environ if env is None else env)
+        saved = dict(os.environ)
+        try:
+            if env is not None:
+                os.environ.update(env)
+            return S3Settings(
+                bucket=e.get("SHARDSINK_S3_BUCKET", "shardsink"),
+                endpoint=e.get("SHARDSINK_S3_ENDPOINT") or None,
+                prefix=e.get("SHARDSINK_S3_PREFIX", ""),
+                region=e.get("AWS_DEFAULT_REGION", e.get("AWS_REGION", "us-east-1")),
+                access_key=_read_secret("AWS_ACCESS_KEY_ID"),
+                secret_key=_read_secret("AWS_SECRET_ACCESS_KEY"),
+            )
+        finally:
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(saved)
+
+    def __repr__(self) -> str:  # never print secrets
+        return (
+            f"S3Settings(bucket={self.bucket!r}, endpoint={self.endpoint!r}, prefix={self.prefix!r}, "
+            f"region={self.region!r}, access_key={'***' if self.access_key else None})"
+        )
+
+
+def _code(e: ClientError) -> tuple[str, int]:
+    err = e.response.get("Error", {})
+    status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return str(err.get("Code", "")), status
+
+
+class S3ObjectStore:
+    """:class:`shared.objectstore.ObjectStore` over boto3."""
+
+    def __init__(self, settings: S3Settings, client: Any | None = None) -> None:
+        self.settings = settings
+        self.bucket = settings.bucket
+        self._prefix = settings.prefix.rstrip("/") + "/" if settings.prefix else ""
+        self._client = client or boto3.client(
+            "s3",
+            endpoint_url=settings.endpoint,
+            region_name=settings.region,
+            aws_access_key_id=settings.access_key,
+            aws_secret_access_key=settings.secret_key,
+            config=Config(
+                connect_timeout=settings.connect_timeout_s,
+                read_timeout=settings.read_timeout_s,
+                retries={"max_attempts": 3, "mode": "standard"},
+                max_pool_connections=settings.max_pool_connections,
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    def _k(self, key: str) -> str:
+        return self._prefix + key
+
+    def _translate(self, e: Exception, op: str, key: str, *, sent: bool) -> Exception:
+        if isinstance(e, ClientError):
+            code, status = _code(e)
+            if status == 412 or code == "PreconditionFailed":
+                return PreconditionFailedError(
+                    f"expected no object at {key!r} ({op}), found one", key=key
+                )
+            if status == 409 or code == "ConditionalRequestConflict":
+                return ConflictRetryError(f"conflicting conditional {op} of {key!r}", key=key)
+            if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
+                return ObjectNotFoundError(f"expected an object at {key!r}, found none", key=key)
+            if status >= 500 and sent and op == "put":
+                return IndeterminateError(f"{op} {key!r}: server error {status} {code}", key=key)
+            return ObjectStoreError(f"{op} {key!r}: {code or status}: {e}", key=key)
+        if isinstance(e, (ConnectTimeoutError, EndpointConnectionError)):
+            return ObjectStoreError(f"{op} {key!r}: could not connect: {e}", key=key)
+        if isinstance(e, (ReadTimeoutError, ConnectionClosedError)) and sent:
+            return IndeterminateError(f"{op} {key!r}: outcome unknown: {e}", key=key)
+        return ObjectStoreError(f"{op} {key!r}: {e}", key=key)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key), "Body": data}
+        if if_absent:
+            kw["IfNoneMatch"] = "*"
+        try:
+            self._client.put_object(**kw)
+        except (ClientError, BotoCoreError) as e:
+            raise self._translate(e, "put", key, sent=True) from e
+
+    def get(self, key: str) -> bytes:
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._k(key))
+            return bytes(resp["Body"].read())
+        except (ClientError, BotoCoreError) as e:
+            raise self._translate(e, "get", key, sent=False) from e
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._k(key))
+            return True
+        except ClientError as e:
+            code, status = _code(e)
+            if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise self._translate(e, "head", key, sent=False) from e
+        except BotoCoreError as e:
+            raise self._translate(e, "head", key, sent=False) from e
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._k(key))
+        except (ClientError, BotoCoreError) as e:
+            err = self._translate(e, "delete", key, sent=False)
+            if not isinstance(err, ObjectNotFoundError):
+                raise err from e
+
+    def delete_many(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            chunk = keys[i : i + 1000]
+            try:
+                resp = self._client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": self._k(k)} for k in chunk], "Quiet": True},
+                )
+            except (ClientError, BotoCoreError) as e:
+                raise self._translate(e, "delete", chunk[0], sent=False) from e
+            errors = resp.get("Errors") or []
+            if errors:
+                raise ObjectStoreError(
+                    f"expected to delete {len(chunk)} objects, {len(errors)} failed: {errors[:3]}"
+                )
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix)}
+        if start_after is not None:
+            kw["StartAfter"] = self._k(start_after)
+        n = len(self._prefix)
+        try:
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(**kw):
+                for obj in page.get("Contents", []) or []:
+                    yield ObjectInfo(
+                        key=obj["Key"][n:],
+                        size=int(obj["Size"]),
+                        last_modified_ms=int(obj["LastModified"].timestamp() * 1000),
+                    )
+        except (ClientError, BotoCoreError) as e:
+            raise self._translate(e, "list", prefix, sent=False) from e

@@ -1,0 +1,197 @@
+"""The object-store interface the shard layer is written against, with an in-memory version
+for unit tests of the pure core and a fault-injecting wrapper for tests of the real one.
+
+The S3 implementation lives in :mod:`shared.io.s3`; it translates botocore errors into the
+errors below at its boundary. Semantics every implementation keeps:
+
+- ``put(key, data, if_absent=True)`` is S3's ``PUT`` with ``If-None-Match: *``: it succeeds
+  for exactly one writer of a key and raises :class:`PreconditionFailedError` for the others.
+- ``get`` of a missing key raises :class:`ObjectNotFoundError`.
+- A failure whose outcome is unknown (timeout, connection reset after sending) raises
+  :class:`IndeterminateError`; every other failure is determinate (:class:`ObjectStoreError`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.errors import (
+    IndeterminateError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    PreconditionFailedError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    last_modified_ms: int
+
+
+class ObjectStore(Protocol):
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def delete_many(self, keys: list[str]) -> None: ...
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]: ...
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class MemoryObjectStore:
+    """A thread-safe in-memory object store with S3's conditional-PUT semantics."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, tuple[bytes, int]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        with self._lock:
+            if if_absent and key in self._objects:
+                raise PreconditionFailedError(
+                    f"expected no object at {key!r}, found one", key=key
+                )
+            self._objects[key] = (bytes(data), now_ms())
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._objects[key][0]
+            except KeyError:
+                raise ObjectNotFoundError(f"expected an object at {key!r}, found none", key=key) from None
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return key in self._objects
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(key, None)
+
+    def delete_many(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                self._objects.pop(k, None)
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        with self._lock:
+            items = sorted(
+                (k, len(v), ts) for k, (v, ts) in self._objects.items() if k.startswith(prefix)
+            )
+        for k, size, ts in items:
+            if start_after is None or k > start_after:
+                yield ObjectInfo(k, size, ts)
+
+
+@dataclass
+class FaultPlan:
+    """What a :class:`FaultyObjectStore` injects. Probabilities are per call.
+
+    - ``error_p``: fail before sending (a determinate :class:`ObjectStoreError`);
+    - ``lost_ack_p``: perform a ``put`` and then report a timeout (:class:`IndeterminateError`):
+      "the PUT landed but the client saw a timeout";
+    - ``timeout_p``: report a timeout without performing the call (also indeterminate);
+    - ``latency_s``: (min, max) extra latency added to every call.
+    """
+
+    error_p: float = 0.0
+    lost_ack_p: float = 0.0
+    timeout_p: float = 0.0
+    latency_s: tuple[float, float] = (0.0, 0.0)
+    seed: int | None = None
+    #: Only calls whose key matches this predicate are faulted (default: all).
+    applies_to: Callable[[str], bool] | None = None
+
+
+@dataclass
+class FaultCounters:
+    errors: int = 0
+    lost_acks: int = 0
+    timeouts: int = 0
+    calls: int = 0
+
+
+@dataclass
+class FaultyObjectStore:
+    """Wraps another store and injects the faults of a :class:`FaultPlan`."""
+
+    inner: ObjectStore
+    plan: FaultPlan = field(default_factory=FaultPlan)
+    counters: FaultCounters = field(default_factory=FaultCounters)
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.plan.seed)
+        self._lock = threading.Lock()
+
+    def _roll(self, key: str, op: str) -> str | None:
+        if not self.enabled:
+            return None
+        if self.plan.applies_to is not None and not self.plan.applies_to(key):
+            return None
+        with self._lock:
+            self.counters.calls += 1
+            lo, hi = self.plan.latency_s
+            delay = self._rng.uniform(lo, hi) if hi > 0 else 0.0
+            r = self._rng.random()
+        if delay:
+            time.sleep(delay)
+        if r < self.plan.error_p:
+            with self._lock:
+                self.counters.errors += 1
+            raise ObjectStoreError(f"injected error on {op} {key!r}", key=key, injected=True)
+        r -= self.plan.error_p
+        if r < self.plan.timeout_p:
+            with self._lock:
+                self.counters.timeouts += 1
+            raise IndeterminateError(f"injected timeout on {op} {key!r}", key=key, injected=True)
+        r -= self.plan.timeout_p
+        if op == "put" and r < self.plan.lost_ack_p:
+            return "lost_ack"
+        return None
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        fault = self._roll(key, "put")
+        self.inner.put(key, data, if_absent=if_absent)
+        if fault == "lost_ack":
+            with self._lock:
+                self.counters.lost_acks += 1
+            raise IndeterminateError(
+                f"injected timeout after the PUT of {key!r} landed", key=key, injected=True
+            )
+
+    def get(self, key: str) -> bytes:
+        self._roll(key, "get")
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        self._roll(key, "head")
+        return self.inner.exists(key)
+
+    def delete(self, key: str) -> None:
+        self._roll(key, "delete")
+        self.inner.delete(key)
+
+    def delete_many(self, keys: list[str]) -> None:
+        for k in keys:
+            self._roll(k, "delete")
+        self.inner.delete_many(keys)
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        self._roll(prefix, "list")
+        return self.inner.list(prefix, start_after)

@@ -1,0 +1,889 @@
+"""Shards on an object store, with an S3-only compare-and-append.
+
+Layout of a shard under ``shards/<shard_id>/``::
+
+    state/00000000000000000042.json   sequence-numbered state objects (plain JSON, see
+                                      shared.state); state n+1 is written with
+                                      If-None-Match: *, so exactly one writer wins it
+    data/<uuid>.parquet               write-once data objects (row columns + _time, _diff,
+                                      _error); never overwritten
+    hint                              the seqno of a recent state (a hint: probe forward)
+
+Finding the head never LISTs the history: a handle caches the head it last saw, and a fresh
+handle reads the hint, then probes forward (HEAD n+1, n+2, n+4, ... then a binary search).
+Garbage collection keeps the hint at or above the lowest state it keeps.
+
+Commit order of every state change (one numbered sequence, as quix-streams documents its
+checkpoint):
+
+1. load the head (cached, confirmed within half the grace period, else probed);
+2. validate preconditions and apply the pure transition (shared.state) -> state n+1;
+3. data objects of the change are already written (write-once, unreferenced until step 4);
+4. PUT state n+1 with If-None-Match: *. 412/409: re-probe the head, go to 2. An unknown
+   outcome (timeout): re-PUT the same bytes until the answer is known; a 412 then reads
+   state n+1 and compares its change token with ours;
+5. every 16 states, rewrite the hint.
+
+Idempotency: ``compare_and_append(..., token=T)`` records T in the state. A retry of an append
+that landed finds T (in the head's recent tokens) and returns success without applying twice.
+
+Safety of GC: data objects that no state references are deleted only after ``grace_ms``;
+staged batches older than ``grace_ms / 2`` are refused by append (StagedBatchExpiredError),
+and a writer re-probes the head when its cache is older than ``grace_ms / 2``, so a deleted
+state seqno is never written again.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shared.avro_arrow import avro_to_arrow_schema, parse_row_schema, rows_to_arrow
+from shared.errors import (
+    ConflictRetryError,
+    IndeterminateError,
+    InvalidUsageError,
+    NotReadableYetError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    SchemaMismatchError,
+    ShardDroppedError,
+    ShardExistsError,
+    ShardNotFoundError,
+    SinceViolationError,
+    StagedBatchExpiredError,
+    UpperMismatchError,
+)
+from shared.frontier import Frontier
+from shared.objectstore import ObjectStore, now_ms
+from shared.state import (
+    CRITICAL,
+    LEASED,
+    BatchMeta,
+    Part,
+    ShardState,
+    apply_append,
+    apply_downgrade_since,
+    apply_drop,
+    apply_expire_reader,
+    apply_forget_retired,
+    apply_heartbeat,
+    apply_merge,
+    apply_register_reader,
+    initial_state,
+    plan_merge,
+    validate_append_bounds,
+    validate_times,
+)
+
+TIME = "_time"
+DIFF = "_diff"
+ERROR = "_error"
+DATA_FORMAT_VERSION = "1"
+HINT_EVERY = 16
+DEFAULT_GRACE_MS = 10 * 60 * 1000
+_SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+Updates = pa.Table | Sequence[tuple[Any, ...]]
+
+
+def validate_shard_id(shard_id: str) -> str:
+    """Ids are single path segments: no '/', no '..', nothing that escapes the prefix."""
+    if not isinstance(shard_id, str) or not _SHARD_ID.match(shard_id) or ".." in shard_id:
+        raise InvalidUsageError(
+            f"expected a shard id of letters, digits, '.', '_' or '-' (1-128 chars, no '..'), "
+            f"found {shard_id!r}",
+            shard_id=shard_id,
+        )
+    return shard_id
+
+
+def part_schema(row_schema: pa.Schema) -> pa.Schema:
+    """The Parquet schema of a data object: row columns (nullable: error rows have no row),
+    then ``_time`` (uint64), ``_diff`` (int64), ``_error`` (string, null for ok rows)."""
+    fields = [pa.field(f.name, f.type, nullable=True) for f in row_schema]
+    fields += [
+        pa.field(TIME, pa.uint64(), nullable=False),
+        pa.field(DIFF, pa.int64(), nullable=False),
+        pa.field(ERROR, pa.string(), nullable=True),
+    ]
+    return pa.schema(fields)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedBatch:
+    """Data objects written for a later append: a small handle that can cross Kafka."""
+
+    shard_id: str
+    parts: tuple[Part, ...]
+    rows: int
+    min_time: int | None
+    max_time: int | None
+    created_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shard_id": self.shard_id,
+            "parts": [p.to_json() for p in self.parts],
+            "rows": self.rows,
+            "min_time": self.min_time,
+            "max_time": self.max_time,
+            "created_ms": self.created_ms,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> StagedBatch:
+        try:
+            return StagedBatch(
+                shard_id=str(d["shard_id"]),
+                parts=tuple(Part.from_json(p) for p in d["parts"]),
+                rows=int(d["rows"]),
+                min_time=None if d["min_time"] is None else int(d["min_time"]),
+                max_time=None if d["max_time"] is None else int(d["max_time"]),
+                created_ms=int(d["created_ms"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidUsageError(f"expected a staged batch handle, found {d!r}: {e}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class ListenEvent:
+    """Updates with times in ``[lower, upper)`` (consolidated), then progress to ``upper``."""
+
+    lower: Frontier
+    upper: Frontier
+    updates: pa.Table
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    data_deleted: int
+    states_deleted: int
+    retired_forgotten: int
+
+
+class _AlreadyApplied(Exception):
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+
+
+def consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
+    """Sum ``_diff`` over equal ``keys`` and drop zero sums."""
+    if table.num_rows == 0:
+        return table.select([*keys, DIFF])
+    try:
+        out = table.group_by(list(keys), use_threads=True).aggregate([(DIFF, "sum")])
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+        out = _consolidate_py(table, keys)
+    else:
+        out = out.rename_columns([*keys, DIFF])
+    out = out.select([*keys, DIFF])
+    return out.filter(pc.not_equal(out[DIFF], 0))
+
+
+def _consolidate_py(table: pa.Table, keys: Sequence[str]) -> pa.Table:
+    """Fallback for key types Arrow's hash aggregation does not support (lists, maps)."""
+    import json
+
+    sums: dict[str, int] = {}
+    first: dict[str, dict[str, Any]] = {}
+    cols = table.select(list(keys)).to_pylist()
+    diffs = table[DIFF].to_pylist()
+    for row, d in zip(cols, diffs, strict=True):
+        k = json.dumps(row, sort_keys=True, default=repr)
+        sums[k] = sums.get(k, 0) + d
+        first.setdefault(k, row)
+    rows = [{**first[k], DIFF: v} for k, v in sums.items()]
+    schema = table.select([*keys, DIFF]).schema
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+class Shard:
+    """A handle on one shard. Thread-safe; several handles (threads, processes) may race."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        shard_id: str,
+        *,
+        root: str = "shards",
+        grace_ms: int = DEFAULT_GRACE_MS,
+        auto_compact: bool = False,
+        clock: Callable[[], int] = now_ms,
+        io_threads: int = 8,
+    ) -> None:
+        self.store = store
+        self.shard_id = validate_shard_id(shard_id)
+        self.prefix = f"{root}/{shard_id}/"
+        self.grace_ms = grace_ms
+        self.auto_compact = auto_compact
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._head: ShardState | None = None
+        self._confirmed = 0.0
+        self._commits = 0
+        self._io_threads = io_threads
+        self._row_schema: pa.Schema | None = None
+        self._part_schema: pa.Schema | None = None
+
+    # -- keys ------------------------------------------------------------------------------
+    def state_key(self, seqno: int) -> str:
+        return f"{self.prefix}state/{seqno:020d}.json"
+
+    def _data_key(self) -> str:
+        return f"{self.prefix}data/{uuid.uuid4().hex}.parquet"
+
+    @property
+    def hint_key(self) -> str:
+        return f"{self.prefix}hint"
+
+    # -- create / open ---------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        store: ObjectStore,
+        shard_id: str,
+        schema: dict[str, Any] | str,
+        *,
+        since: Frontier | int = 0,
+        **kw: Any,
+    ) -> Shard:
+        """Create the shard (state 0), or open it if it exists with the same schema."""
+        shard = cls(store, shard_id, **kw)
+        parsed = parse_row_schema(schema)  # type: ignore[arg-type]
+        since_f = since if isinstance(since, Frontier) else Frontier.at(since)
+        state = initial_state(shard_id, parsed, since_f, shard.clock(), uuid.uuid4().hex)
+        try:
+            store.put(shard.state_key(0), state.encode(), if_absent=True)
+        except PreconditionFailedError:
+            existing = shard.refresh()
+            if existing.schema != parsed:
+                raise ShardExistsError(
+                    f"expected shard {shard_id!r} to have the given schema, found another",
+                    shard_id=shard_id,
+                ) from None
+            return shard
+        store.put(shard.hint_key, b"0")
+        shard._set_head(state)
+        return shard
+
+    @classmethod
+    def open(cls, store: ObjectStore, shard_id: str, **kw: Any) -> Shard:
+        shard = cls(store, shard_id, **kw)
+        shard.refresh()
+        return shard
+
+    # -- head discovery --------------------------------------------------------------------
+    def _set_head(self, state: ShardState) -> None:
+        with self._lock:
+            if self._head is None or state.seqno >= self._head.seqno:
+                self._head = state
+                self._confirmed = time.monotonic()
+
+    def _get_state(self, seqno: int) -> ShardState:
+        return ShardState.decode(self.store.get(self.state_key(seqno)))
+
+    def _lowest_state_by_list(self) -> int:
+        best: int | None = None
+        for info in self.store.list(f"{self.prefix}state/"):
+            name = info.key.rsplit("/", 1)[-1]
+            if name.endswith(".json"):
+                n = int(name[:-5])
+                best = n if best is None else max(best, n)
+        if best is None:
+            raise ShardNotFoundError(f"expected a shard at {self.prefix!r}, found none", shard_id=self.shard_id)
+        return best
+
+    def _start_seqno(self) -> int:
+        if self._head is not None:
+            return self._head.seqno
+        try:
+            n = int(self.store.get(self.hint_key).decode())
+        except ObjectNotFoundError:
+            return self._lowest_state_by_list()
+        except ValueError:
+            return self._lowest_state_by_list()
+        if not self.store.exists(self.state_key(n)):
+            return self._lowest_state_by_list()
+        return n
+
+    def refresh(self) -> ShardState:
+        """Find the head: from the cached seqno or the hint, probe forward (galloping)."""
+        with self._lock:
+            n = self._start_seqno()
+            step = 1
+            lo, hi = n, None  # lo exists; hi (if set) does not
+            while hi is None:
+                if self.store.exists(self.state_key(lo + step)):
+                    lo = lo + step
+                    step *= 2
+                else:
+                    hi = lo + step
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if self.store.exists(self.state_key(mid)):
+                    lo = mid
+                else:
+                    hi = mid
+            if self._head is not None and self._head.seqno == lo:
+                state = self._head
+            else:
+                state = self._get_state(lo)
+            self._head = None if self._head is None or self._head.seqno < lo else self._head
+            self._set_head(state)
+            assert self._head is not None
+            return self._head
+
+    def head(self, *, max_age_s: float | None = None) -> ShardState:
+        """The cached head if confirmed recently enough, else a refreshed one."""
+        limit = self.grace_ms / 2000.0 if max_age_s is None else max_age_s
+        with self._lock:
+            if self._head is not None and time.monotonic() - self._confirmed <= limit:
+                return self._head
+        return self.refresh()
+
+    @property
+    def state(self) -> ShardState:
+        return self.refresh()
+
+    def upper(self) -> Frontier:
+        return self.refresh().upper
+
+    def since(self) -> Frontier:
+        return self.refresh().since
+
+    # -- schema ----------------------------------------------------------------------------
+    @property
+    def row_schema(self) -> pa.Schema:
+        if self._row_schema is None:
+            self._row_schema = avro_to_arrow_schema(self.head(max_age_s=1e9).schema)
+        return self._row_schema
+
+    @property
+    def part_schema(self) -> pa.Schema:
+        if self._part_schema is None:
+            self._part_schema = part_schema(self.row_schema)
+        return self._part_schema
+
+    @property
+    def row_columns(self) -> list[str]:
+        return list(self.row_schema.names)
+
+    def to_table(self, updates: Updates) -> pa.Table:
+        """Updates as a table in the part schema.
+
+        Accepts an Arrow table with the row columns, ``_time`` and ``_diff`` (``_error``
+        optional), or a sequence of ``(row_dict, time, diff)`` / ``(None, time, diff, error)``.
+        """
+        target = self.part_schema
+        if isinstance(updates, pa.Table):
+            table = updates
+        else:
+            rows, times, diffs, errors = [], [], [], []
+            for u in updates:
+                if len(u) not in (3, 4):
+                    raise InvalidUsageError(f"expected (row, time, diff[, error]), found {u!r}")
+                row, t, d = u[0], u[1], u[2]
+                err = u[3] if len(u) == 4 else None
+                rows.append(row)
+                times.append(t)
+                diffs.append(d)
+                errors.append(err)
+            ok_rows = [r for r in rows if r is not None]
+            if ok_rows:
+                body = rows_to_arrow(ok_rows, self.head(max_age_s=1e9).schema)
+                if len(ok_rows) != len(rows):
+                    # Interleave null rows for the error entries.
+                    idx, taken = [], 0
+                    for r in rows:
+                        idx.append(taken if r is not None else None)
+                        taken += r is not None
+                    body = body.take(pa.array(idx, type=pa.int64()))
+            else:
+                body = pa.table({f.name: pa.nulls(len(rows), f.type) for f in self.row_schema})
+            try:
+                table = body.append_column(TIME, pa.array(times, pa.uint64()))
+            except (pa.ArrowInvalid, OverflowError, TypeError) as e:
+                raise InvalidUsageError(f"expected times in [0, 2**64), found: {e}") from e
+            table = table.append_column(DIFF, pa.array(diffs, pa.int64()))
+            table = table.append_column(ERROR, pa.array(errors, pa.string()))
+        if ERROR not in table.column_names:
+            table = table.append_column(ERROR, pa.nulls(table.num_rows, pa.string()))
+        missing = [n for n in target.names if n not in table.column_names]
+        if missing:
+            raise SchemaMismatchError(
+                f"expected columns {target.names}, found {table.column_names} (missing {missing})"
+            )
+        table = table.select(target.names)
+        try:
+            return table.cast(target)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise SchemaMismatchError(f"expected updates castable to {target}, found: {e}") from e
+
+    # -- data objects ----------------------------------------------------------------------
+    def _write_part(self, table: pa.Table) -> Part:
+        buf = io.BytesIO()
+        meta = {b"shardsink.format": DATA_FORMAT_VERSION.encode(), b"shardsink.shard": self.shard_id.encode()}
+        pq.write_table(table.replace_schema_metadata(meta), buf, compression="snappy")
+        data = buf.getvalue()
+        key = self._data_key()
+        self.store.put(key, data, if_absent=True)
+        return Part(key=key, rows=table.num_rows, bytes=len(data))
+
+    def _read_parts(self, keys: Sequence[str]) -> pa.Table:
+        schema = self.part_schema
+        if not keys:
+            return schema.empty_table()
+
+        def one(k: str) -> pa.Table:
+            return pq.read_table(io.BytesIO(self.store.get(k))).cast(schema)
+
+        if len(keys) == 1:
+            return one(keys[0])
+        with ThreadPoolExecutor(max_workers=min(self._io_threads, len(keys))) as ex:
+            tables = list(ex.map(one, keys))
+        return pa.concat_tables(tables)
+
+    def stage(self, updates: Updates, *, max_rows_per_part: int = 1_000_000) -> StagedBatch:
+        """Write updates as data objects without appending them (consolidated first)."""
+        table = self.to_table(updates)
+        table = consolidate(table, [*self.row_columns, ERROR, TIME])
+        table = table.select(self.part_schema.names)
+        parts: list[Part] = []
+        for off in range(0, table.num_rows, max_rows_per_part):
+            parts.append(self._write_part(table.slice(off, max_rows_per_part)))
+        if table.num_rows:
+            mm = pc.min_max(table[TIME])
+            lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        else:
+            lo = hi = None
+        return StagedBatch(self.shard_id, tuple(parts), table.num_rows, lo, hi, self.clock())
+
+    def delete_staged(self, staged: StagedBatch | Sequence[StagedBatch]) -> int:
+        """Delete staged data objects that the head does not reference. Returns the count."""
+        batches = [staged] if isinstance(staged, StagedBatch) else list(staged)
+        protected = self.refresh().protected_keys()
+        keys = [p.key for b in batches for p in b.parts if p.key not in protected]
+        if keys:
+            self.store.delete_many(keys)
+        return len(keys)
+
+    # -- the commit loop -------------------------------------------------------------------
+    def _commit(
+        self,
+        transition: Callable[[ShardState], ShardState],
+        token: str,
+        *,
+        before_put: Callable[[], None] | None = None,
+        max_attempts: int = 64,
+    ) -> ShardState:
+        """Run steps 1-5 of the module docstring until the transition commits."""
+        head = self.head()
+        refreshed = False
+        for _ in range(max_attempts):
+            try:
+                new = transition(head)
+            except _AlreadyApplied as done:
+                return done.state
+            except UpperMismatchError:
+                if refreshed:
+                    raise
+                head, refreshed = self.refresh(), True
+                continue
+            if new is head:
+                return head
+            if before_put is not None:
+                before_put()
+            outcome = self._put_state(new, token)
+            if outcome:
+                self._set_head(new)
+                self._commits += 1
+                if new.seqno % HINT_EVERY == 0:
+                    self._write_hint(new.seqno)
+                return new
+            head, refreshed = self.refresh(), True
+        raise ConflictRetryError(
+            f"expected to commit to {self.shard_id!r} within {max_attempts} attempts, found "
+            "constant contention",
+            shard_id=self.shard_id,
+        )
+
+    def _put_state(self, new: ShardState, token: str, tries: int = 8) -> bool:
+        """True if state ``new.seqno`` now holds our change, False if another writer's."""
+        data = new.encode()
+        key = self.state_key(new.seqno)
+        last: Exception | None = None
+        for _ in range(tries):
+            try:
+                self.store.put(key, data, if_absent=True)
+                return True
+            except (PreconditionFailedError, ConflictRetryError) as e:
+                last = e
+                try:
+                    other = self._get_state(new.seqno)
+                except ObjectNotFoundError:
+                    continue  # 409 with nothing written: retry the PUT
+                except IndeterminateError:
+                    continue
+                return other.change_token == token
+            except IndeterminateError as e:
+                last = e
+                time.sleep(0.01)
+                continue
+        raise IndeterminateError(
+            f"expected to learn whether state {new.seqno} of {self.shard_id!r} was written, "
+            f"found the store failing: {last}",
+            shard_id=self.shard_id,
+            seqno=new.seqno,
+        )
+
+    def _write_hint(self, seqno: int) -> None:
+        try:
+            self.store.put(self.hint_key, str(seqno).encode())
+        except Exception:  # noqa: BLE001 - the hint is only a hint
+            pass
+
+    # -- compare_and_append ----------------------------------------------------------------
+    def compare_and_append(
+        self,
+        updates: Updates | None,
+        expected_upper: Frontier | int,
+        new_upper: Frontier | int,
+        token: str | None = None,
+    ) -> ShardState:
+        """Append ``updates`` iff the shard's upper equals ``expected_upper``.
+
+        Every update's time must satisfy ``expected_upper <= time < new_upper``
+        (InvalidUsageError otherwise, nothing written). On a mismatch raises
+        UpperMismatchError with ``.current``. ``token`` makes retries idempotent.
+        """
+        expected = _frontier(expected_upper)
+        new = _frontier(new_upper)
+        validate_append_bounds(expected, new)
+        staged: list[StagedBatch] = []
+        table = None if updates is None else self.to_table(updates)
+        if table is not None and table.num_rows:
+            mm = pc.min_max(table[TIME])
+            validate_times(mm["min"].as_py(), mm["max"].as_py(), expected, new)
+            staged.append(self.stage(table))
+        try:
+            return self.compare_and_append_staged(staged, expected, new, token)
+        except (UpperMismatchError, InvalidUsageError, ShardDroppedError):
+            self.delete_staged(staged)
+            raise
+
+    def compare_and_append_staged(
+        self,
+        staged: Sequence[StagedBatch],
+        expected_upper: Frontier | int,
+        new_upper: Frontier | int,
+        token: str | None = None,
+    ) -> ShardState:
+        """Append staged batches (possibly from several writers) as one logical batch."""
+        expected = _frontier(expected_upper)
+        new = _frontier(new_upper)
+        validate_append_bounds(expected, new)
+        token = token or uuid.uuid4().hex
+        for s in staged:
+            if s.shard_id != self.shard_id:
+                raise InvalidUsageError(
+                    f"expected staged batches of {self.shard_id!r}, found one of {s.shard_id!r}"
+                )
+            validate_times(s.min_time, s.max_time, expected, new)
+        parts = tuple(p for s in staged for p in s.parts)
+        rows = sum(s.rows for s in staged)
+        batch = (
+            BatchMeta(id=token, lower=expected, upper=new, since=expected, parts=parts, rows=rows)
+            if rows
+            else None
+        )
+
+        def check_age() -> None:
+            now = self.clock()
+            for s in staged:
+                if now - s.created_ms > self.grace_ms // 2:
+                    raise StagedBatchExpiredError(
+                        f"expected a staged batch younger than {self.grace_ms // 2} ms, found one "
+                        f"{now - s.created_ms} ms old",
+                        shard_id=self.shard_id,
+                    )
+
+        def transition(head: ShardState) -> ShardState:
+            if head.find_token(token) is not None:
+                raise _AlreadyApplied(head)
+            return apply_append(head, batch, expected, new, token, self.clock())
+
+        check_age()
+        result = self._commit(transition, token, before_put=check_age)
+        if self.auto_compact:
+            try:
+                self.compact(max_merges=4)
+            except (UpperMismatchError, ConflictRetryError, InvalidUsageError):
+                pass
+        return result
+
+    # -- reads -----------------------------------------------------------------------------
+    def _wait_readable(self, as_of: int, timeout_s: float) -> ShardState:
+        deadline = time.monotonic() + timeout_s
+        state = self.refresh()
+        while True:
+            if state.dropped:
+                raise ShardDroppedError(f"expected a live shard, found {self.shard_id!r} dropped")
+            if not state.since.less_equal(Frontier.at(as_of)):
+                raise SinceViolationError(
+                    f"expected as_of >= since {state.since!r}, found {as_of}",
+                    shard_id=self.shard_id,
+                    as_of=as_of,
+                    since=state.since,
+                )
+            if state.upper.is_empty() or as_of < (state.upper.time or 0):
+                return state
+            if time.monotonic() >= deadline:
+                raise NotReadableYetError(
+                    f"expected as_of < upper {state.upper!r}, found {as_of} (waited {timeout_s}s)",
+                    shard_id=self.shard_id,
+                    as_of=as_of,
+                    upper=state.upper,
+                )
+            time.sleep(0.02)
+            state = self.refresh()
+
+    def snapshot(self, as_of: int, *, timeout_s: float = 0.0) -> pa.Table:
+        """Consolidated contents at ``as_of``: row columns, ``_error``, ``_diff``.
+
+        Valid iff ``since <= as_of < upper``. Below since: SinceViolationError. At or beyond
+        upper: waits up to ``timeout_s`` for the upper to pass, then NotReadableYetError.
+        """
+        state = self._wait_readable(as_of, timeout_s)
+        # Times only ever advance (to since <= as_of), so a batch whose lower is beyond
+        # as_of holds nothing visible at as_of.
+        keys = [p.key for b in state.batches if b.lower.beyond(as_of) for p in b.parts]
+        table = self._read_parts(keys)
+        if table.num_rows:
+            table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
+        return consolidate(table, [*self.row_columns, ERROR])
+
+    def updates_between(self, state: ShardState, lower: int, upper: Frontier) -> pa.Table:
+        """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time)."""
+        keys = [p.key for b in state.batches if not b.upper.less_equal(Frontier.at(lower)) for p in b.parts]
+        table = self._read_parts(keys)
+        if table.num_rows:
+            mask = pc.greater_equal(table[TIME], pa.scalar(lower, pa.uint64()))
+            if upper.time is not None:
+                mask = pc.and_(mask, pc.less(table[TIME], pa.scalar(upper.time, pa.uint64())))
+            table = table.filter(mask)
+        return consolidate(table, [*self.row_columns, ERROR, TIME]).select(self.part_schema.names)
+
+    def listen(
+        self,
+        as_of: int,
+        *,
+        poll_s: float = 0.05,
+        stop: Callable[[], bool] | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[ListenEvent]:
+        """Updates at times > ``as_of`` as the upper advances (after a snapshot at ``as_of``).
+
+        The caller should hold since at or below ``as_of`` (a reader handle) while listening.
+        Stops when ``stop()`` is true, at ``timeout_s`` without progress, or when the shard is
+        dropped or closed.
+        """
+        state = self.refresh()
+        if state.dropped:
+            raise ShardDroppedError(f"expected a live shard, found {self.shard_id!r} dropped")
+        if not state.since.less_equal(Frontier.at(as_of)):
+            raise SinceViolationError(f"expected as_of >= since {state.since!r}, found {as_of}")
+        progress = as_of + 1
+        last_progress = time.monotonic()
+        while True:
+            if stop is not None and stop():
+                return
+            state = self.refresh()
+            if state.dropped:
+                return
+            if state.upper.less_equal(Frontier.at(progress)):
+                if timeout_s is not None and time.monotonic() - last_progress > timeout_s:
+                    return
+                time.sleep(poll_s)
+                continue
+            updates = self.updates_between(state, progress, state.upper)
+            yield ListenEvent(Frontier.at(progress), state.upper, updates)
+            if state.upper.is_empty():
+                return
+            assert state.upper.time is not None
+            progress = state.upper.time
+            last_progress = time.monotonic()
+
+    # -- reader holds ----------------------------------------------------------------------
+    def register_reader(self, reader_id: str, *, kind: str = LEASED, lease_ms: int = 60_000) -> ShardState:
+        if kind not in (LEASED, CRITICAL):
+            raise InvalidUsageError(f"expected reader kind 'leased' or 'critical', found {kind!r}")
+        token = uuid.uuid4().hex
+        return self._commit(
+            lambda h: apply_register_reader(h, reader_id, kind, lease_ms, self.clock(), token), token
+        )
+
+    def heartbeat(self, reader_id: str) -> ShardState:
+        token = uuid.uuid4().hex
+        return self._commit(lambda h: apply_heartbeat(h, reader_id, self.clock(), token), token)
+
+    def downgrade_since(self, reader_id: str, new_since: Frontier | int) -> ShardState:
+        f = _frontier(new_since)
+        token = uuid.uuid4().hex
+
+        def transition(h: ShardState) -> ShardState:
+            hold = h.reader(reader_id)
+            if hold is not None and f.less_equal(hold.since) and not hold.expired(self.clock()) and hold.kind == CRITICAL:
+                return h
+            return apply_downgrade_since(h, reader_id, f, self.clock(), token)
+
+        return self._commit(transition, token)
+
+    def expire_reader(self, reader_id: str) -> ShardState:
+        token = uuid.uuid4().hex
+
+        def transition(h: ShardState) -> ShardState:
+            if h.reader(reader_id) is None:
+                return h
+            return apply_expire_reader(h, reader_id, self.clock(), token)
+
+        return self._commit(transition, token)
+
+    # -- compaction ------------------------------------------------------------------------
+    def _merge_run(self, run: Sequence[BatchMeta], since: Frontier) -> BatchMeta | None:
+        table = self._read_parts([p.key for b in run for p in b.parts])
+        if since.time is not None and table.num_rows:
+            advanced = pc.max_element_wise(table[TIME], pa.scalar(since.time, pa.uint64()))
+            table = table.set_column(table.schema.get_field_index(TIME), TIME, advanced)
+        table = consolidate(table, [*self.row_columns, ERROR, TIME]).select(self.part_schema.names)
+        table = table.cast(self.part_schema)
+        merged_since = since if not since.is_empty() else run[-1].since
+        if table.num_rows == 0:
+            return None
+        part = self._write_part(table)
+        return BatchMeta(
+            id=uuid.uuid4().hex,
+            lower=run[0].lower,
+            upper=run[-1].upper,
+            since=merged_since,
+            parts=(part,),
+            rows=table.num_rows,
+        )
+
+    def _apply_merge_of(self, run: Sequence[BatchMeta], merged: BatchMeta | None) -> bool:
+        token = uuid.uuid4().hex
+        ids = tuple(b.id for b in run)
+        try:
+            self._commit(lambda h: apply_merge(h, ids, merged, self.clock(), token), token)
+            return True
+        except (InvalidUsageError, ShardDroppedError):
+            if merged is not None:
+                self.store.delete_many([p.key for p in merged.parts])
+            return False
+
+    def compact(self, *, max_merges: int | None = None) -> int:
+        """Merge batches by the tiered policy (times advanced to since, consolidated).
+
+        Returns the number of merges committed. Safe to run concurrently with appends and
+        other compactors: a merge commits only if its batches are all still there.
+        """
+        done = 0
+        while max_merges is None or done < max_merges:
+            head = self.head()
+            plan = plan_merge(head)
+            if plan is None:
+                return done
+            run = head.batches[plan[0] : plan[1]]
+            if self._apply_merge_of(run, self._merge_run(run, head.since)):
+                done += 1
+            else:
+                self.refresh()
+        return done
+
+    def compact_below_since(self) -> bool:
+        """Merge every batch whose upper is at or below since into one, with times advanced
+        to since: history before since collapses to its consolidated contents."""
+        head = self.refresh()
+        if head.since.is_empty():
+            return False
+        run = [b for b in head.batches if b.upper.less_equal(head.since)]
+        if not run or (len(run) == 1 and run[0].since == head.since):
+            return False
+        run = list(head.batches[: len(run)])
+        return self._apply_merge_of(run, self._merge_run(run, head.since))
+
+    # -- drop and garbage collection -------------------------------------------------------
+    def drop(self) -> ShardState:
+        """since and upper go to the empty frontier; data is reclaimed by :meth:`gc`."""
+        token = uuid.uuid4().hex
+        return self._commit(lambda h: h if h.dropped else apply_drop(h, self.clock(), token), token)
+
+    def gc(self, *, grace_ms: int | None = None) -> GcReport:
+        """Delete unreferenced data objects and old state objects older than the grace period.
+
+        Never deletes: a part referenced by the head, a part retired less than ``grace_ms``
+        ago, a data object younger than ``grace_ms`` (it may be staged for an append), the
+        head state, or any state younger than ``grace_ms``.
+        """
+        grace = self.grace_ms if grace_ms is None else grace_ms
+        head = self.refresh()
+        now = self.clock()
+        cutoff = now - grace
+        # 1. retired parts past their grace: delete, then forget them in the state.
+        expired = {r.key for r in head.retired if r.retired_ms <= cutoff}
+        # 2. unreferenced data objects (failed appends, cancelled stages) older than grace.
+        protected = head.protected_keys() - expired
+        doomed = [
+            info.key
+            for info in self.store.list(f"{self.prefix}data/")
+            if info.key not in protected and info.last_modified_ms <= cutoff
+        ]
+        doomed_set = set(doomed) | expired
+        if doomed_set:
+            self.store.delete_many(sorted(doomed_set))
+        forgotten = 0
+        if expired:
+            token = uuid.uuid4().hex
+            head = self._commit(
+                lambda h: apply_forget_retired(h, expired, self.clock(), token)
+                if any(r.key in expired for r in h.retired)
+                else h,
+                token,
+            )
+            forgotten = len(expired)
+        # 3. old state objects: first move the hint to the head, then delete below it.
+        self._write_hint(head.seqno)
+        old = [
+            info.key
+            for info in self.store.list(f"{self.prefix}state/")
+            if info.key != self.state_key(head.seqno)
+            and info.key < self.state_key(head.seqno)
+            and info.last_modified_ms <= cutoff
+        ]
+        if old:
+            self.store.delete_many(old)
+        if head.dropped:
+            # A dropped shard keeps only its tombstone (the head state); opening it finds the
+            # tombstone by listing the (now one-object) state prefix.
+            self.store.delete(self.hint_key)
+        return GcReport(data_deleted=len(doomed_set), states_deleted=len(old), retired_forgotten=forgotten)
+
+    def list_objects(self) -> list[str]:
+        return [i.key for i in self.store.list(self.prefix)]
+
+
+def _frontier(v: Frontier | int) -> Frontier:
+    if isinstance(v, Frontier):
+        return v
+    return Frontier.at(v)
