@@ -1,0 +1,155 @@
+"""Benchmark of the shard storage layer against the embedded S3 server (moto).
+
+Prints progress on stderr and, as its last stdout line, one JSON object:
+
+- cas_p50_ms / cas_p99_ms: compare_and_append of a small batch (10 rows) on a warm handle
+- baseline_put_p50_ms: a plain unconditional S3 PUT of a part of the same size, same run
+- append_updates_per_s: compare_and_append of 100k-row batches
+- snapshot_1m_rows_s: snapshot of a shard holding 1M consolidated rows
+- batches_after_10k_appends: batch count after 10k appends with compaction on
+
+``--quick`` shrinks every size (for smoke runs); the figures in BENCHMARKS.md are full runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shared.embedded import EmbeddedStack  # noqa: E402
+from shared.io.s3 import S3ObjectStore, S3Settings  # noqa: E402
+from shared.shard import Shard  # noqa: E402
+
+SCHEMA = {
+    "type": "record",
+    "name": "Row",
+    "namespace": "bench",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "name", "type": "string"},
+        {"name": "amount", "type": "double"},
+    ],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench-shard] {msg}", file=sys.stderr, flush=True)
+
+
+def rows_table(start: int, n: int, time_: int, diff: int = 1) -> pa.Table:
+    ids = pa.array(range(start, start + n), pa.int64())
+    return pa.table(
+        {
+            "id": ids,
+            "name": pa.array([f"name-{i % 1000}" for i in range(start, start + n)], pa.string()),
+            "amount": pa.array([i * 0.5 for i in range(start, start + n)], pa.float64()),
+            "_time": pa.array([time_] * n, pa.uint64()),
+            "_diff": pa.array([diff] * n, pa.int64()),
+        }
+    )
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n_cas = 100 if args.quick else 500
+    big = 20_000 if args.quick else 100_000
+    n_big = 3 if args.quick else 10
+    snap_rows = 100_000 if args.quick else 1_000_000
+    n_appends = 500 if args.quick else 10_000
+
+    out: dict[str, object] = {}
+    with EmbeddedStack() as stack:
+        store = S3ObjectStore(
+            S3Settings(bucket=stack.bucket, endpoint=stack.s3_endpoint, access_key="testing", secret_key="testing")
+        )
+        run = uuid.uuid4().hex[:8]
+
+        # 1. CAS latency of a small batch, and a plain PUT of the same size.
+        sh = Shard.create(store, f"cas-{run}", SCHEMA)
+        upper = 0
+        lat: list[float] = []
+        for i in range(n_cas):
+            t = rows_table(i * 10, 10, upper)
+            a = time.perf_counter()
+            sh.compare_and_append(t, upper, upper + 1)
+            lat.append((time.perf_counter() - a) * 1000)
+            upper += 1
+        part_bytes = sh.refresh().batches[-1].parts[0].bytes
+        out["cas_p50_ms"] = round(statistics.median(lat), 2)
+        out["cas_p99_ms"] = round(pct(lat, 0.99), 2)
+        payload = os.urandom(part_bytes)
+        put_lat: list[float] = []
+        for i in range(n_cas):
+            a = time.perf_counter()
+            store.put(f"baseline/{run}/{i}", payload)
+            put_lat.append((time.perf_counter() - a) * 1000)
+        out["baseline_put_p50_ms"] = round(statistics.median(put_lat), 2)
+        out["cas_small_batch_bytes"] = part_bytes
+        log(f"cas p50 {out['cas_p50_ms']} ms, put p50 {out['baseline_put_p50_ms']} ms")
+
+        # 2. Throughput of 100k-row appends.
+        sh = Shard.create(store, f"big-{run}", SCHEMA)
+        tables = [rows_table(i * big, big, i) for i in range(n_big)]
+        a = time.perf_counter()
+        for i, t in enumerate(tables):
+            sh.compare_and_append(t, i, i + 1)
+        dt = time.perf_counter() - a
+        out["append_updates_per_s"] = round(n_big * big / dt)
+        log(f"append {out['append_updates_per_s']} updates/s")
+
+        # 3. Snapshot of a shard holding 1M consolidated rows.
+        sh = Shard.create(store, f"snap-{run}", SCHEMA)
+        chunk = 250_000 if not args.quick else 50_000
+        for i in range(snap_rows // chunk):
+            sh.compare_and_append(rows_table(i * chunk, chunk, i), i, i + 1)
+        as_of = snap_rows // chunk - 1
+        times = []
+        for _ in range(3):
+            a = time.perf_counter()
+            snap = sh.snapshot(as_of)
+            times.append(time.perf_counter() - a)
+        assert snap.num_rows == snap_rows, snap.num_rows
+        out["snapshot_1m_rows_s"] = round(min(times), 3)
+        out["snapshot_rows"] = snap_rows
+        log(f"snapshot {snap_rows} rows in {out['snapshot_1m_rows_s']} s")
+
+        # 4. Batch count after many small appends with compaction on.
+        sh = Shard.create(store, f"compact-{run}", SCHEMA, auto_compact=True)
+        a = time.perf_counter()
+        for i in range(n_appends):
+            sh.compare_and_append(rows_table(i, 1, i), i, i + 1)
+            if i % 1000 == 999:
+                log(f"{i + 1} appends, {len(sh.refresh().batches)} batches")
+        out["batches_after_10k_appends"] = len(sh.refresh().batches)
+        out["appends_for_batch_count"] = n_appends
+        out["appends_with_compaction_per_s"] = round(n_appends / (time.perf_counter() - a), 1)
+        snap = sh.snapshot(n_appends - 1)
+        assert snap.num_rows == n_appends, snap.num_rows
+
+    out["machine"] = {"cores": os.cpu_count(), "python": platform.python_version(), "pyarrow": pa.__version__}
+    out["quick"] = args.quick
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
