@@ -128,6 +128,31 @@ class KafkaAdapterError(ShardsinkError):
     """Root of Kafka adapter errors (translated from confluent_kafka)."""
 
 
+class KafkaConfigError(KafkaAdapterError):
+    """Client settings librdkafka or the adapter refuses (unknown option, missing bootstrap)."""
+
+
+class UnknownTopicError(KafkaAdapterError):
+    """A topic (or partition) the broker does not know."""
+
+
+class KafkaUnavailableError(KafkaAdapterError):
+    """The brokers cannot be reached or have no leader for a partition (transient: retry)."""
+
+
+class KafkaTimeoutError(KafkaAdapterError):
+    """A Kafka request or a bounded wait (a probe, a read of an offset range) did not finish."""
+
+
+class KafkaDeliveryError(KafkaAdapterError):
+    """A produced record was not acknowledged; the batch that produced it must fail and be
+    retried (records acknowledged before the failure may be duplicated by the retry)."""
+
+
+class KafkaDataLossError(KafkaAdapterError):
+    """Records in an offset range that must be read are gone (deleted by retention)."""
+
+
 # -- sink and controller -------------------------------------------------------------------
 
 

@@ -1,0 +1,397 @@
+"""confluent-kafka helpers: client settings, partition discovery, and partition ends that are
+right on both the embedded Tansu broker and a real Kafka cluster.
+
+Settings
+--------
+:class:`KafkaSettings` is a bootstrap string plus librdkafka options passed through unchanged
+(for SASL/TLS: ``security.protocol``, ``sasl.*``, ``ssl.*``). It is built from
+
+* a mapping (``KafkaSettings.from_options({"bootstrap": ..., "kafka.sasl.mechanism": ...})``,
+  the shape of Spark source/sink options: ``kafka.<librdkafka option>``), or
+* the environment (``KafkaSettings.from_env()``):
+
+  ====================================  ==========================================
+  variable                              librdkafka option
+  ====================================  ==========================================
+  ``SHARDSINK_KAFKA_BOOTSTRAP``         ``bootstrap.servers``
+  ``SHARDSINK_KAFKA_SECURITY_PROTOCOL`` ``security.protocol``
+  ``SHARDSINK_KAFKA_SASL_<NAME>``       ``sasl.<name>`` (``_`` becomes ``.``)
+  ``SHARDSINK_KAFKA_SSL_<NAME>``        ``ssl.<name>`` (``_`` becomes ``.``)
+  ``SHARDSINK_KAFKA_OPTION_<NAME>``     ``<name>``: any other option (``_`` becomes ``.``)
+  ====================================  ==========================================
+
+  e.g. ``SHARDSINK_KAFKA_SASL_MECHANISM=SCRAM-SHA-512``, ``SHARDSINK_KAFKA_SSL_CA_LOCATION=/ca.pem``,
+  ``SHARDSINK_KAFKA_OPTION_CLIENT_ID=mint``. librdkafka option names contain no ``_``, so the
+  mapping is unambiguous. Other ``SHARDSINK_KAFKA_*`` variables (topic names and the like used
+  by the services) are not passed to librdkafka.
+
+Partition ends (the Tansu quirk)
+--------------------------------
+Tansu 0.6's ``ListOffsets(latest)`` (and therefore ``get_watermark_offsets`` and
+``AdminClient.list_offsets``) under-reports: it answers the base offset of the last record
+batch plus one. Measured on the embedded broker: after producing a batch of 5 records and then
+a batch of 3, both calls answer 6 where the true end is 8; after four batches of 1000, 3001
+where the end is 4000. The true end is found by fetching from ``watermark - 1`` with an
+``assign()``ed consumer and ``enable.partition.eof``: the broker returns the whole last batch
+and librdkafka then signals end-of-partition; the end is ``max(last offset + 1, eof offset)``.
+On real Kafka the watermark is exact, the fetch returns the last record and the EOF signal
+reports the watermark, so the same probe agrees with ``ListOffsets``.
+
+The probe is kept cheap: one ``ListOffsets`` request covers all partitions; a partition whose
+watermark has not moved since the last probe has not received a new batch (on Tansu a new batch
+moves the answer to its own base offset + 1, which is beyond the old one), so its cached end is
+reused; only partitions whose watermark moved are fetched, all in one ``assign()``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+from shared.errors import (
+    KafkaAdapterError,
+    KafkaConfigError,
+    KafkaTimeoutError,
+    KafkaUnavailableError,
+    UnknownTopicError,
+)
+
+#: Env prefix of the Kafka settings.
+ENV_PREFIX = "SHARDSINK_KAFKA_"
+#: Env suffixes (after :data:`ENV_PREFIX`) that map to librdkafka options by lower-casing and
+#: replacing ``_`` with ``.``, keeping the prefix itself.
+_ENV_PASSTHROUGH_PREFIXES = ("SECURITY_PROTOCOL", "SASL_", "SSL_")
+_ENV_OPTION_PREFIX = "OPTION_"
+
+#: librdkafka options that keep shutdown quiet (Tansu closes idle connections).
+_QUIET = {"log.connection.close": "false"}
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaSettings:
+    """Where the brokers are and how to talk to them.
+
+    ``options`` are librdkafka options passed through unchanged (sorted pairs, so the value is
+    hashable and picklable).
+    """
+
+    bootstrap: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap or not isinstance(self.bootstrap, str):
+            raise KafkaConfigError(
+                f"expected a bootstrap string 'host:port[,host:port]', found {self.bootstrap!r}"
+            )
+        for k, v in self.options:
+            if k == "bootstrap.servers":
+                raise KafkaConfigError(
+                    "expected the bootstrap servers in 'bootstrap', found them in the options"
+                )
+            if not isinstance(v, str):
+                raise KafkaConfigError(f"expected a string value for option {k!r}, found {v!r}")
+
+    @staticmethod
+    def of(bootstrap: str, options: Mapping[str, Any] | None = None) -> KafkaSettings:
+        opts = {k: str(v) for k, v in (options or {}).items()}
+        if "bootstrap.servers" in opts:
+            bootstrap = bootstrap or opts.pop("bootstrap.servers")
+            opts.pop("bootstrap.servers", None)
+        return KafkaSettings(bootstrap, tuple(sorted(opts.items())))
+
+    @staticmethod
+    def from_options(options: Mapping[str, str]) -> KafkaSettings:
+        """From Spark-style options: ``bootstrap`` (or ``kafka.bootstrap.servers``) and
+        ``kafka.<librdkafka option>``. Keys are matched case-insensitively for ``bootstrap``;
+        librdkafka option names are lower case already."""
+        bootstrap = ""
+        opts: dict[str, str] = {}
+        for k, v in options.items():
+            kl = k.lower()
+            if kl == "bootstrap":
+                bootstrap = str(v)
+            elif kl.startswith("kafka."):
+                name = kl[len("kafka.") :]
+                if name == "bootstrap.servers":
+                    bootstrap = bootstrap or str(v)
+                else:
+                    opts[name] = str(v)
+        if not bootstrap:
+            raise KafkaConfigError(
+                "expected option 'bootstrap' (or 'kafka.bootstrap.servers'), found none among "
+                f"{sorted(options)}"
+            )
+        return KafkaSettings(bootstrap, tuple(sorted(opts.items())))
+
+    @staticmethod
+    def from_env(environ: Mapping[str, str] | None = None) -> KafkaSettings:
+        """From ``SHARDSINK_KAFKA_*`` variables (see the module docstring for the mapping)."""
+        env = os.environ if environ is None else environ
+        bootstrap = env.get(ENV_PREFIX + "BOOTSTRAP", "")
+        if not bootstrap:
+            raise KafkaConfigError(
+                f"expected {ENV_PREFIX}BOOTSTRAP to be set to 'host:port', found it unset"
+            )
+        return KafkaSettings(bootstrap, tuple(sorted(env_options(env).items())))
+
+    def to_options(self) -> dict[str, str]:
+        """The Spark-style options (inverse of :meth:`from_options`)."""
+        return {"bootstrap": self.bootstrap, **{f"kafka.{k}": v for k, v in self.options}}
+
+    def config(self, **extra: Any) -> dict[str, Any]:
+        """A confluent-kafka client config: defaults, then ``extra``, then the pass-through
+        options (so that a user's option wins over our defaults)."""
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, **_QUIET}
+        conf.update({k.replace("_", "."): v for k, v in extra.items()})
+        conf.update(dict(self.options))
+        return conf
+
+
+def env_options(environ: Mapping[str, str]) -> dict[str, str]:
+    """The librdkafka options named by ``SHARDSINK_KAFKA_*`` variables."""
+    out: dict[str, str] = {}
+    for k, v in environ.items():
+        if not k.startswith(ENV_PREFIX):
+            continue
+        rest = k[len(ENV_PREFIX) :]
+        if rest.startswith(_ENV_OPTION_PREFIX):
+            name = rest[len(_ENV_OPTION_PREFIX) :]
+        elif rest.startswith(_ENV_PASSTHROUGH_PREFIXES):
+            name = rest
+        else:
+            continue
+        if name:
+            out[name.lower().replace("_", ".")] = v
+    return out
+
+
+def translate(e: BaseException, what: str) -> KafkaAdapterError:
+    """A confluent_kafka error as one of ours (raise it ``from e``)."""
+    err = e.args[0] if isinstance(e, KafkaException) and e.args else None
+    if isinstance(err, KafkaError):
+        code = err.code()
+        msg = f"{what}: expected success, found {err.name()} ({err.str()})"
+        if code in (KafkaError._INVALID_ARG, KafkaError.INVALID_CONFIG):
+            return KafkaConfigError(msg, code=code)
+        if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
+                    KafkaError._UNKNOWN_PARTITION):
+            return UnknownTopicError(msg, code=code)
+        if code in (KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT):
+            return KafkaTimeoutError(msg, code=code)
+        if code in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
+                    KafkaError._RESOLVE, KafkaError.BROKER_NOT_AVAILABLE,
+                    KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION):
+            return KafkaUnavailableError(msg, code=code)
+        return KafkaAdapterError(msg, code=code)
+    if isinstance(e, ValueError):  # confluent_kafka raises ValueError for bad configs
+        return KafkaConfigError(f"{what}: expected a valid client config, found: {e}")
+    return KafkaAdapterError(f"{what}: expected success, found {type(e).__name__}: {e}")
+
+
+def new_consumer(settings: KafkaSettings, **extra: Any) -> Consumer:
+    """A consumer for ``assign()`` use only (never ``subscribe()``: group joins take about 20 s
+    on Tansu, and Spark or the service owns the offsets). librdkafka insists on a group id; a
+    random one that never joins or commits costs nothing."""
+    conf = settings.config(
+        **{
+            "group.id": f"shardsink-assign-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": "false",
+            "enable.auto.offset.store": "false",
+            **extra,
+        }
+    )
+    try:
+        return Consumer(conf)
+    except (KafkaException, ValueError) as e:
+        raise translate(e, "creating a Kafka consumer") from e
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionEnd:
+    """A cached end: ``watermark`` as ListOffsets answered it, ``end`` as probed."""
+
+    watermark: int
+    end: int
+
+
+@dataclass
+class OffsetProbe:
+    """Long-lived partition discovery and end-offset probe (see the module docstring).
+
+    Holds one consumer and one admin client; ``close()`` (or a ``with`` block) releases them.
+    Not thread-safe. The cache is per instance: a Spark source keeps one on its driver side.
+    """
+
+    settings: KafkaSettings
+    timeout_s: float = 30.0
+    _consumer: Consumer | None = field(default=None, init=False, repr=False)
+    _admin: AdminClient | None = field(default=None, init=False, repr=False)
+    _ends: dict[tuple[str, int], PartitionEnd] = field(default_factory=dict, init=False, repr=False)
+    #: Number of partitions fetched by the last probe (for tests and benchmarks).
+    last_probed: int = field(default=0, init=False)
+
+    # -- clients -------------------------------------------------------------------------------
+    def _c(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = new_consumer(
+                self.settings,
+                **{
+                    "enable.partition.eof": "true",
+                    "auto.offset.reset": "error",
+                    "fetch.wait.max.ms": "10",
+                },
+            )
+        return self._consumer
+
+    def _a(self) -> AdminClient:
+        if self._admin is None:
+            try:
+                self._admin = AdminClient(self.settings.config())
+            except (KafkaException, ValueError) as e:
+                raise translate(e, "creating a Kafka admin client") from e
+        return self._admin
+
+    def close(self) -> None:
+        c, self._consumer = self._consumer, None
+        if c is not None:
+            c.close()
+        self._admin = None
+
+    def __enter__(self) -> OffsetProbe:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- queries -------------------------------------------------------------------------------
+    def partitions_of(self, topic: str) -> list[int]:
+        """The partition ids of ``topic``, sorted. Raises :class:`UnknownTopicError`."""
+        try:
+            md = self._c().list_topics(topic=topic, timeout=self.timeout_s)
+        except KafkaException as e:
+            raise translate(e, f"listing partitions of topic {topic!r}") from e
+        tmd = md.topics.get(topic)
+        if tmd is None or tmd.error is not None and tmd.error.code() in (
+            KafkaError.UNKNOWN_TOPIC_OR_PART,
+            KafkaError._UNKNOWN_TOPIC,
+        ):
+            raise UnknownTopicError(
+                f"expected topic {topic!r} to exist, found it unknown to the broker", topic=topic
+            )
+        if tmd.error is not None:
+            raise translate(KafkaException(tmd.error), f"listing partitions of topic {topic!r}")
+        return sorted(tmd.partitions)
+
+    def watermarks(self, tps: Iterable[tuple[str, int]], earliest: bool = False) -> dict[tuple[str, int], int]:
+        """ListOffsets (latest, or earliest) for many partitions in one request. Latest
+        under-reports on Tansu: use :meth:`end_offsets` for the end."""
+        spec = OffsetSpec.earliest() if earliest else OffsetSpec.latest()
+        req = {TopicPartition(t, p): spec for t, p in tps}
+        if not req:
+            return {}
+        try:
+            futs = self._a().list_offsets(req, request_timeout=self.timeout_s)
+            return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futs.items()}
+        except KafkaException as e:
+            raise translate(e, "listing offsets") from e
+
+    def start_offsets(self, topic: str) -> dict[int, int]:
+        """The first available offset of every partition of ``topic`` (0 unless retention
+        deleted records)."""
+        parts = self.partitions_of(topic)
+        wm = self.watermarks([(topic, p) for p in parts], earliest=True)
+        return {p: wm[(topic, p)] for p in parts}
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        """The true end (next offset to be written) of every partition of ``topic``."""
+        parts = self.partitions_of(topic)
+        ends = self.ends([(topic, p) for p in parts])
+        return {p: ends[(topic, p)] for p in parts}
+
+    def ends(self, tps: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The true ends of the given partitions (probing only those whose watermark moved)."""
+        tps = list(tps)
+        wms = self.watermarks(tps)
+        out: dict[tuple[str, int], int] = {}
+        to_probe: dict[tuple[str, int], int] = {}
+        for tp in tps:
+            wm = wms[tp]
+            cached = self._ends.get(tp)
+            if cached is not None and cached.watermark == wm:
+                out[tp] = cached.end
+            elif wm <= 0:
+                out[tp] = 0
+            else:
+                to_probe[tp] = wm
+        self.last_probed = len(to_probe)
+        if to_probe:
+            probed = self._probe(to_probe)
+            for tp, wm in to_probe.items():
+                end = max(probed[tp], wm)
+                prev = self._ends.get(tp)
+                end = max(end, prev.end if prev else 0)  # the end only grows
+                self._ends[tp] = PartitionEnd(wm, end)
+                out[tp] = end
+        return out
+
+    def _probe(self, wms: Mapping[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """Fetch the last batch of every partition (from ``watermark - 1``) until EOF."""
+        c = self._c()
+        found: dict[tuple[str, int], int] = {tp: wm for tp, wm in wms.items()}
+        pending = set(wms)
+        try:
+            c.assign([TopicPartition(t, p, wm - 1) for (t, p), wm in wms.items()])
+            deadline = time.monotonic() + self.timeout_s
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KafkaTimeoutError(
+                        f"expected end-of-partition within {self.timeout_s}s while probing the "
+                        f"ends of {sorted(pending)}, found none",
+                        partitions=sorted(pending),
+                    )
+                for m in c.consume(num_messages=10_000, timeout=min(left, 0.02)):
+                    tp = (m.topic(), m.partition())
+                    err = m.error()
+                    if err is None:
+                        found[tp] = max(found[tp], m.offset() + 1)
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        found[tp] = max(found[tp], m.offset())
+                        pending.discard(tp)
+                    elif err.code() == KafkaError._AUTO_OFFSET_RESET:
+                        # watermark - 1 below the log start: the partition is empty of
+                        # records (real Kafka after retention); the watermark is the end.
+                        pending.discard(tp)
+                    else:
+                        raise translate(KafkaException(err), f"probing the end of {tp}")
+        finally:
+            try:
+                c.unassign()
+            except KafkaException:
+                pass
+        return found
+
+
+def partitions_of(settings: KafkaSettings, topic: str, timeout_s: float = 30.0) -> list[int]:
+    """The partition ids of ``topic`` (one-shot; keep an :class:`OffsetProbe` for repeated use)."""
+    with OffsetProbe(settings, timeout_s) as p:
+        return p.partitions_of(topic)
+
+
+def end_offsets(settings: KafkaSettings, topic: str, timeout_s: float = 30.0) -> dict[int, int]:
+    """The true end of every partition of ``topic`` (one-shot; see :class:`OffsetProbe`)."""
+    with OffsetProbe(settings, timeout_s) as p:
+        return p.end_offsets(topic)
