@@ -121,6 +121,11 @@ class SchemaError(CodecError):
     type with no Arrow/Parquet mapping (a non-nullable union, a recursive type)."""
 
 
+class SchemaRegistryError(CodecError):
+    """The schema registry could not be reached or answered something unusable (not a bad
+    message: an unknown schema id is a DecodeError)."""
+
+
 # -- Kafka adapters ------------------------------------------------------------------------
 
 
