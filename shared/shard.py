@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import io
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -52,11 +51,8 @@ import pyarrow.parquet as pq
 from shared.avro_arrow import avro_to_arrow_schema, parse_row_schema, rows_to_arrow
 from shared.errors import (
     ConflictRetryError,
-    IndeterminateError,
     InvalidUsageError,
     NotReadableYetError,
-    ObjectNotFoundError,
-    PreconditionFailedError,
     SchemaMismatchError,
     ShardDroppedError,
     ShardExistsError,
@@ -67,6 +63,7 @@ from shared.errors import (
 )
 from shared.frontier import Frontier
 from shared.objectstore import ObjectStore, now_ms
+from shared.versioned import AlreadyApplied, VersionedLog
 from shared.state import (
     CRITICAL,
     LEASED,
@@ -91,7 +88,6 @@ TIME = "_time"
 DIFF = "_diff"
 ERROR = "_error"
 DATA_FORMAT_VERSION = "1"
-HINT_EVERY = 16
 DEFAULT_GRACE_MS = 10 * 60 * 1000
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -173,11 +169,6 @@ class GcReport:
     retired_forgotten: int
 
 
-class _AlreadyApplied(Exception):
-    def __init__(self, state: ShardState) -> None:
-        self.state = state
-
-
 def consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     """Sum ``_diff`` over equal ``keys`` and drop zero sums."""
     if table.num_rows == 0:
@@ -229,24 +220,27 @@ class Shard:
         self.grace_ms = grace_ms
         self.auto_compact = auto_compact
         self.clock = clock
-        self._lock = threading.RLock()
-        self._head: ShardState | None = None
-        self._confirmed = 0.0
-        self._commits = 0
+        self._log: VersionedLog[ShardState] = VersionedLog(
+            store,
+            self.prefix,
+            ShardState.decode,
+            max_cache_age_s=grace_ms / 2000.0,
+            name=f"shard {shard_id}",
+        )
         self._io_threads = io_threads
         self._row_schema: pa.Schema | None = None
         self._part_schema: pa.Schema | None = None
 
     # -- keys ------------------------------------------------------------------------------
     def state_key(self, seqno: int) -> str:
-        return f"{self.prefix}state/{seqno:020d}.json"
+        return self._log.state_key(seqno)
 
     def _data_key(self) -> str:
         return f"{self.prefix}data/{uuid.uuid4().hex}.parquet"
 
     @property
     def hint_key(self) -> str:
-        return f"{self.prefix}hint"
+        return self._log.hint_key
 
     # -- create / open ---------------------------------------------------------------------
     @classmethod
@@ -264,9 +258,7 @@ class Shard:
         parsed = parse_row_schema(schema)  # type: ignore[arg-type]
         since_f = since if isinstance(since, Frontier) else Frontier.at(since)
         state = initial_state(shard_id, parsed, since_f, shard.clock(), uuid.uuid4().hex)
-        try:
-            store.put(shard.state_key(0), state.encode(), if_absent=True)
-        except PreconditionFailedError:
+        if not shard._log.put_initial(state):
             existing = shard.refresh()
             if existing.schema != parsed:
                 raise ShardExistsError(
@@ -274,8 +266,6 @@ class Shard:
                     shard_id=shard_id,
                 ) from None
             return shard
-        store.put(shard.hint_key, b"0")
-        shard._set_head(state)
         return shard
 
     @classmethod
@@ -284,73 +274,22 @@ class Shard:
         shard.refresh()
         return shard
 
-    # -- head discovery --------------------------------------------------------------------
-    def _set_head(self, state: ShardState) -> None:
-        with self._lock:
-            if self._head is None or state.seqno >= self._head.seqno:
-                self._head = state
-                self._confirmed = time.monotonic()
-
-    def _get_state(self, seqno: int) -> ShardState:
-        return ShardState.decode(self.store.get(self.state_key(seqno)))
-
-    def _lowest_state_by_list(self) -> int:
-        best: int | None = None
-        for info in self.store.list(f"{self.prefix}state/"):
-            name = info.key.rsplit("/", 1)[-1]
-            if name.endswith(".json"):
-                n = int(name[:-5])
-                best = n if best is None else max(best, n)
-        if best is None:
-            raise ShardNotFoundError(f"expected a shard at {self.prefix!r}, found none", shard_id=self.shard_id)
-        return best
-
-    def _start_seqno(self) -> int:
-        if self._head is not None:
-            return self._head.seqno
-        try:
-            n = int(self.store.get(self.hint_key).decode())
-        except ObjectNotFoundError:
-            return self._lowest_state_by_list()
-        except ValueError:
-            return self._lowest_state_by_list()
-        if not self.store.exists(self.state_key(n)):
-            return self._lowest_state_by_list()
-        return n
-
+    # -- head discovery (see shared.versioned) ----------------------------------------------
     def refresh(self) -> ShardState:
-        """Find the head: from the cached seqno or the hint, probe forward (galloping)."""
-        with self._lock:
-            n = self._start_seqno()
-            step = 1
-            lo, hi = n, None  # lo exists; hi (if set) does not
-            while hi is None:
-                if self.store.exists(self.state_key(lo + step)):
-                    lo = lo + step
-                    step *= 2
-                else:
-                    hi = lo + step
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if self.store.exists(self.state_key(mid)):
-                    lo = mid
-                else:
-                    hi = mid
-            if self._head is not None and self._head.seqno == lo:
-                state = self._head
-            else:
-                state = self._get_state(lo)
-            self._head = None if self._head is None or self._head.seqno < lo else self._head
-            self._set_head(state)
-            assert self._head is not None
-            return self._head
+        """Find the head: from the cached seqno or the hint, probe forward."""
+        try:
+            return self._log.refresh()
+        except ShardNotFoundError:
+            raise ShardNotFoundError(
+                f"expected a shard at {self.prefix!r}, found none", shard_id=self.shard_id
+            ) from None
 
     def head(self, *, max_age_s: float | None = None) -> ShardState:
-        """The cached head if confirmed recently enough, else a refreshed one."""
-        limit = self.grace_ms / 2000.0 if max_age_s is None else max_age_s
-        with self._lock:
-            if self._head is not None and time.monotonic() - self._confirmed <= limit:
-                return self._head
+        """The cached head if confirmed within half the grace period, else a refreshed one."""
+        if max_age_s is None and self._log.cached() is not None:
+            return self._log.head()
+        if self._log.cached() is not None:
+            return self._log.head(max_age_s=max_age_s)
         return self.refresh()
 
     @property
@@ -479,80 +418,18 @@ class Shard:
             self.store.delete_many(keys)
         return len(keys)
 
-    # -- the commit loop -------------------------------------------------------------------
     def _commit(
         self,
         transition: Callable[[ShardState], ShardState],
         token: str,
         *,
         before_put: Callable[[], None] | None = None,
-        max_attempts: int = 64,
     ) -> ShardState:
-        """Run steps 1-5 of the module docstring until the transition commits."""
-        head = self.head()
-        refreshed = False
-        for _ in range(max_attempts):
-            try:
-                new = transition(head)
-            except _AlreadyApplied as done:
-                return done.state
-            except UpperMismatchError:
-                if refreshed:
-                    raise
-                head, refreshed = self.refresh(), True
-                continue
-            if new is head:
-                return head
-            if before_put is not None:
-                before_put()
-            outcome = self._put_state(new, token)
-            if outcome:
-                self._set_head(new)
-                self._commits += 1
-                if new.seqno % HINT_EVERY == 0:
-                    self._write_hint(new.seqno)
-                return new
-            head, refreshed = self.refresh(), True
-        raise ConflictRetryError(
-            f"expected to commit to {self.shard_id!r} within {max_attempts} attempts, found "
-            "constant contention",
-            shard_id=self.shard_id,
+        if self._log.cached() is None:
+            self.refresh()
+        return self._log.commit(
+            transition, token, before_put=before_put, on_mismatch=(UpperMismatchError,)
         )
-
-    def _put_state(self, new: ShardState, token: str, tries: int = 8) -> bool:
-        """True if state ``new.seqno`` now holds our change, False if another writer's."""
-        data = new.encode()
-        key = self.state_key(new.seqno)
-        last: Exception | None = None
-        for _ in range(tries):
-            try:
-                self.store.put(key, data, if_absent=True)
-                return True
-            except (PreconditionFailedError, ConflictRetryError) as e:
-                last = e
-                try:
-                    other = self._get_state(new.seqno)
-                except ObjectNotFoundError:
-                    continue  # 409 with nothing written: retry the PUT
-                except IndeterminateError:
-                    continue
-                return other.change_token == token
-            except IndeterminateError as e:
-                last = e
-                time.sleep(0.01)
-                continue
-        raise IndeterminateError(
-            f"expected to learn whether state {new.seqno} of {self.shard_id!r} was written, "
-            f"found the store failing: {last}",
-            shard_id=self.shard_id,
-            seqno=new.seqno,
-        )
-
-    def _write_hint(self, seqno: int) -> None:
-        try:
-            self.store.put(self.hint_key, str(seqno).encode())
-        except Exception:  # noqa: BLE001 - the hint is only a hint
-            pass
 
     # -- compare_and_append ----------------------------------------------------------------
     def compare_and_append(
@@ -621,7 +498,7 @@ class Shard:
 
         def transition(head: ShardState) -> ShardState:
             if head.find_token(token) is not None:
-                raise _AlreadyApplied(head)
+                raise AlreadyApplied(head)
             return apply_append(head, batch, expected, new, token, self.clock())
 
         check_age()
@@ -862,22 +739,13 @@ class Shard:
                 token,
             )
             forgotten = len(expired)
-        # 3. old state objects: first move the hint to the head, then delete below it.
-        self._write_hint(head.seqno)
-        old = [
-            info.key
-            for info in self.store.list(f"{self.prefix}state/")
-            if info.key != self.state_key(head.seqno)
-            and info.key < self.state_key(head.seqno)
-            and info.last_modified_ms <= cutoff
-        ]
-        if old:
-            self.store.delete_many(old)
+        # 3. old state objects: the hint moves to the head first, then states below it go.
+        n_states = self._log.collect_states(head.seqno, cutoff)
         if head.dropped:
             # A dropped shard keeps only its tombstone (the head state); opening it finds the
             # tombstone by listing the (now one-object) state prefix.
             self.store.delete(self.hint_key)
-        return GcReport(data_deleted=len(doomed_set), states_deleted=len(old), retired_forgotten=forgotten)
+        return GcReport(data_deleted=len(doomed_set), states_deleted=n_states, retired_forgotten=forgotten)
 
     def list_objects(self) -> list[str]:
         return [i.key for i in self.store.list(self.prefix)]
