@@ -1,0 +1,904 @@
+"""Kafka source and sink for Spark Structured Streaming without the ``spark-sql-kafka`` jar.
+
+Built on PySpark's Python Data Source API (``pyspark.sql.datasource``) over confluent-kafka.
+Register once per session, then use the short name ``shardsink-kafka``::
+
+    register_kafka_source(spark)
+    df = (spark.readStream.format("shardsink-kafka")
+          .option("bootstrap", "127.0.0.1:9092").option("topics", "a,b")
+          .option("startingOffsets", "earliest").option("maxRecordsPerTrigger", 100000)
+          .load())
+    (df.select("key", "value").writeStream.format("shardsink-kafka")
+       .option("bootstrap", "127.0.0.1:9092").option("topic", "out")
+       .option("checkpointLocation", "/ckpt").start())
+
+or, with the connector choice made by settings, :func:`kafka_read_stream` /
+:func:`kafka_write_stream` (ours by default; Spark's own ``format("kafka")`` when
+``SHARDSINK_SPARK_KAFKA_CONNECTOR=builtin`` and the jar is on the classpath).
+
+Source
+------
+Options: ``bootstrap``; ``topics`` (comma list) or ``topic``; ``startingOffsets``
+(``earliest`` (default), ``latest`` or JSON ``{"topic": {"0": 12, "1": -2}}`` where -2 means
+earliest and -1 latest; partitions the JSON leaves out start at the earliest offset);
+``maxRecordsPerTrigger`` (admission control: Spark 4.2+ calls ``latestOffset(start, limit)``
+with ``ReadMaxRows``, shared among partitions in proportion to their backlog; ``availableNow``
+triggers are supported and stop at the ends seen when the query started);
+``failOnDataLoss`` (default true: records of a planned range deleted by retention fail the
+batch); ``recordsPerArrowBatch`` (default 20000); ``kafka.<librdkafka option>`` passed through
+(SASL/TLS: see :mod:`shared.io.kafka`).
+
+Offsets in the checkpoint are JSON ``{topic: {partition: next_offset}}``. Every latestOffset
+re-reads the topics' partitions, so partitions (and topics listed but not yet created) that
+appear later are picked up, starting at offset 0. Ends are found with
+:class:`shared.io.kafka.OffsetProbe` (correct on Tansu, whose ListOffsets under-reports).
+A micro-batch has one input partition per topic-partition with a non-empty range; ``read()``
+``assign()``s the partition at ``start`` and returns exactly the records with offsets in
+``[start, end)`` as pyarrow RecordBatches, so a replayed micro-batch reads the same records.
+
+Columns: ``key binary, value binary, topic string, partition int, offset long,
+timestamp timestamp, headers array<struct<key string, value binary>>`` (``headers`` is null
+for a record without headers; ``timestamp`` is null when the broker gives none).
+
+Sink
+----
+Input columns: ``value`` (binary or string, required), ``key`` (binary or string),
+``topic`` (string; else the ``topic`` option), ``partition`` (int; null or absent: librdkafka's
+partitioner on the key), ``headers`` (``array<struct<key string, value binary>>``).
+Each task produces with an idempotent producer (``enable.idempotence=true``, ``acks=all``),
+then ``flush()``es, and only then returns its commit message; a record not acknowledged
+raises :class:`~shared.errors.KafkaDeliveryError`, so the task and the micro-batch fail and
+Spark (or the restarted query) runs the batch again.
+
+Exactly-once for consumers: message ids, not transactions
+---------------------------------------------------------
+A retried micro-batch produces again what its failed attempt may already have delivered, so
+the sink is at-least-once on the wire. Every record carries a header ``shardsink-id`` =
+``"{query_id}:{batch_id}:{task_partition}:{seq}"`` (query id from the checkpoint, so stable
+across restarts; batch id from the task's local property ``streaming.sql.batchId``; ``seq``
+the record's position in the task's input). A retry of the same batch gives each record the
+same id when the task's input is deterministic (true for this source and any plan without an
+unordered shuffle before the sink). :class:`Deduplicator` drops replays on the consumer side:
+per (topic, kafka partition, query, task partition) the ids arrive in increasing
+``(batch, seq)`` order (the idempotent producer keeps order without gaps per kafka
+partition), so a record whose ``(batch, seq)`` is not above the highest seen is a replay.
+
+Kafka transactions were tried on the embedded broker and are not usable there: Tansu 0.6
+accepts ``init_transactions``/``commit_transaction``/``abort_transaction`` but a
+``read_committed`` consumer still returns the records of an aborted transaction. Hence ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from shared.errors import (
+    KafkaConfigError,
+    KafkaDataLossError,
+    KafkaDeliveryError,
+    KafkaTimeoutError,
+    UnknownTopicError,
+)
+from shared.io.kafka import KafkaSettings, OffsetProbe, new_consumer, translate
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import DataStreamWriter
+
+SOURCE_NAME = "shardsink-kafka"
+#: Header carrying the sink's message id (see the module docstring).
+ID_HEADER = "shardsink-id"
+#: Env var choosing the connector: ``shardsink`` (default) or ``builtin`` (``format("kafka")``).
+CONNECTOR_ENV = "SHARDSINK_SPARK_KAFKA_CONNECTOR"
+
+HEADER_TYPE = ArrayType(
+    StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+)
+KAFKA_SCHEMA = StructType(
+    [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("headers", HEADER_TYPE),
+    ]
+)
+
+#: ``{topic: {partition: next_offset}}``
+Offsets = dict[str, dict[int, int]]
+
+
+# -- offsets: pure functions ---------------------------------------------------------------
+
+
+def offsets_to_json(o: Mapping[str, Mapping[int, int]]) -> dict[str, dict[str, int]]:
+    """The checkpoint form: partition keys as strings, sorted for stable JSON."""
+    return {t: {str(p): int(o[t][p]) for p in sorted(o[t])} for t in sorted(o)}
+
+
+def offsets_from_json(j: Mapping[str, Any]) -> Offsets:
+    if not isinstance(j, Mapping):
+        raise KafkaConfigError(f"expected offsets as {{topic: {{partition: offset}}}}, found {j!r}")
+    out: Offsets = {}
+    for t, parts in j.items():
+        if not isinstance(parts, Mapping):
+            raise KafkaConfigError(
+                f"expected {{partition: offset}} for topic {t!r}, found {parts!r}"
+            )
+        try:
+            out[str(t)] = {int(p): int(v) for p, v in parts.items()}
+        except (TypeError, ValueError) as e:
+            raise KafkaConfigError(
+                f"expected integer partitions and offsets for topic {t!r}, found {parts!r}"
+            ) from e
+    return out
+
+
+def advance(start: Offsets, latest: Offsets) -> Offsets:
+    """The end of a batch reading everything: every partition of ``latest`` (new ones from 0)
+    and every partition of ``start``, never below ``start``."""
+    end: Offsets = {t: dict(ps) for t, ps in start.items()}
+    for t, ps in latest.items():
+        tend = end.setdefault(t, {})
+        for p, e in ps.items():
+            tend[p] = max(e, tend.get(p, 0))
+    return end
+
+
+def pending(start: Offsets, end: Offsets) -> list[tuple[str, int, int, int]]:
+    """The non-empty ranges ``(topic, partition, from, until)`` between two offsets, sorted;
+    a partition missing from ``start`` starts at 0."""
+    out = []
+    for t in sorted(end):
+        for p in sorted(end[t]):
+            s = start.get(t, {}).get(p, 0)
+            e = end[t][p]
+            if e > s:
+                out.append((t, p, s, e))
+    return out
+
+
+def cap(start: Offsets, end: Offsets, max_records: int) -> Offsets:
+    """``end`` reduced so that at most ``max_records`` records lie between ``start`` and it,
+    shared among partitions in proportion to their backlog (remainders go to the partitions
+    with the largest backlog first, then in topic/partition order). Always makes progress when
+    there is something to read and ``max_records >= 1``."""
+    if max_records < 1:
+        raise KafkaConfigError(f"expected maxRecordsPerTrigger >= 1, found {max_records}")
+    ranges = pending(start, end)
+    total = sum(e - s for _, _, s, e in ranges)
+    if total <= max_records:
+        return end
+    share = {(t, p): (e - s) * max_records // total for t, p, s, e in ranges}
+    left = max_records - sum(share.values())
+    by_backlog = sorted(ranges, key=lambda r: (-(r[3] - r[2]), r[0], r[1]))
+    i = 0
+    while left > 0:
+        t, p, s, e = by_backlog[i % len(by_backlog)]
+        if share[(t, p)] < e - s:
+            share[(t, p)] += 1
+            left -= 1
+        i += 1
+    out: Offsets = {t: dict(ps) for t, ps in end.items()}
+    for t, p, s, _ in ranges:
+        out[t][p] = s + share[(t, p)]
+    return out
+
+
+def _parse_starting(value: str) -> str | Offsets:
+    v = value.strip()
+    if v.lower() in ("earliest", "latest"):
+        return v.lower()
+    try:
+        return offsets_from_json(json.loads(v))
+    except json.JSONDecodeError as e:
+        raise KafkaConfigError(
+            f"expected startingOffsets 'earliest', 'latest' or JSON, found {value!r}"
+        ) from e
+
+
+def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
+    v = options.get(key)
+    if v is None:
+        return default
+    s = str(v).strip().lower()
+    if s in ("true", "1", "yes"):
+        return True
+    if s in ("false", "0", "no"):
+        return False
+    raise KafkaConfigError(f"expected option {key!r} to be true or false, found {v!r}")
+
+
+def _int(options: Mapping[str, str], key: str, default: int | None) -> int | None:
+    v = options.get(key)
+    if v is None:
+        return default
+    try:
+        n = int(v)
+    except ValueError as e:
+        raise KafkaConfigError(f"expected option {key!r} to be an integer, found {v!r}") from e
+    if n < 1:
+        raise KafkaConfigError(f"expected option {key!r} >= 1, found {n}")
+    return n
+
+
+# -- source --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    settings: KafkaSettings
+    topics: tuple[str, ...]
+    starting: str | Offsets = "earliest"
+    max_records_per_trigger: int | None = None
+    fail_on_data_loss: bool = True
+    records_per_arrow_batch: int = 20_000
+    timeout_s: float = 60.0
+
+    @staticmethod
+    def parse(options: Mapping[str, str]) -> SourceOptions:
+        opts = {k: v for k, v in options.items()}
+        low = {k.lower(): v for k, v in opts.items()}
+        raw = low.get("topics") or low.get("topic") or low.get("subscribe") or ""
+        topics = tuple(t.strip() for t in str(raw).split(",") if t.strip())
+        if not topics:
+            raise KafkaConfigError(
+                "expected option 'topics' (comma list) or 'topic', found none among "
+                f"{sorted(opts)}"
+            )
+        return SourceOptions(
+            settings=KafkaSettings.from_options(opts),
+            topics=topics,
+            starting=_parse_starting(str(low.get("startingoffsets", "earliest"))),
+            max_records_per_trigger=_int(low, "maxrecordspertrigger", None)
+            or _int(low, "maxoffsetspertrigger", None),
+            fail_on_data_loss=_bool(low, "failondataloss", True),
+            records_per_arrow_batch=_int(low, "recordsperarrowbatch", 20_000) or 20_000,
+            timeout_s=float(low.get("timeoutseconds", 60.0)),
+        )
+
+
+class KafkaInputPartition(InputPartition):
+    """One topic-partition's offset range ``[start, end)`` of a micro-batch."""
+
+    def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
+        super().__init__((topic, partition, start, end))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+
+
+class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Driver side: ``initialOffset``, ``latestOffset``, ``partitions``, ``commit`` run in one
+    long-lived Python process per query, so the probe and its cache live on ``self``.
+    Executor side: ``read`` runs on an unpickled copy without the probe."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._probe: OffsetProbe | None = None
+        self._target: Offsets | None = None  # availableNow: do not read beyond this
+        self._latest: Offsets | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options, "_probe": None, "_target": None, "_latest": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- driver side -------------------------------------------------------------------------
+    def _p(self) -> OffsetProbe:
+        if self._probe is None:
+            self._probe = OffsetProbe(self.options.settings, self.options.timeout_s)
+        return self._probe
+
+    def _parts(self, topic: str) -> list[int]:
+        try:
+            return self._p().partitions_of(topic)
+        except UnknownTopicError:
+            return []  # a listed topic that does not exist yet: picked up once it does
+
+    def latest_ends(self) -> Offsets:
+        """The true end of every partition of every topic."""
+        tps = [(t, p) for t in self.options.topics for p in self._parts(t)]
+        ends = self._p().ends(tps)
+        out: Offsets = {t: {} for t in self.options.topics}
+        for (t, p), e in ends.items():
+            out[t][p] = e
+        return out
+
+    def initialOffset(self) -> dict[str, Any]:
+        starting = self.options.starting
+        if starting == "latest":
+            return offsets_to_json(self.latest_ends())
+        earliest: Offsets = {}
+        for t in self.options.topics:
+            parts = self._parts(t)
+            wm = self._p().watermarks([(t, p) for p in parts], earliest=True)
+            earliest[t] = {p: wm[(t, p)] for p in parts}
+        if starting == "earliest":
+            return offsets_to_json(earliest)
+        assert isinstance(starting, dict)
+        latest = self.latest_ends() if any(v == -1 for ps in starting.values() for v in ps.values()) else {}
+        out: Offsets = {t: dict(ps) for t, ps in earliest.items()}
+        for t, ps in starting.items():
+            for p, v in ps.items():
+                if v == -2:
+                    v = earliest.get(t, {}).get(p, 0)
+                elif v == -1:
+                    v = latest.get(t, {}).get(p, 0)
+                elif v < 0:
+                    raise KafkaConfigError(
+                        f"expected an offset >= 0, -1 (latest) or -2 (earliest) for {t}/{p}, "
+                        f"found {v}"
+                    )
+                out.setdefault(t, {})[p] = v
+        return offsets_to_json(out)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.options.max_records_per_trigger
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self.latest_ends()
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        s = offsets_from_json(start)
+        latest = self.latest_ends()
+        if self._target is not None:
+            target = self._target
+            latest = {
+                t: {p: min(e, target[t][p]) for p, e in ps.items() if p in target.get(t, {})}
+                for t, ps in latest.items()
+            }
+        self._latest = latest
+        end = advance(s, latest)
+        if isinstance(limit, ReadMaxRows):
+            end = cap(s, end, int(limit.max_rows))
+        return offsets_to_json(end)
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return offsets_to_json(self._latest) if self._latest is not None else None
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return [
+            KafkaInputPartition(t, p, s, e)
+            for t, p, s, e in pending(offsets_from_json(start), offsets_from_json(end))
+        ]
+
+    def commit(self, end: dict[str, Any]) -> None:
+        pass  # Spark keeps the offsets in its checkpoint; nothing to commit to Kafka
+
+    def stop(self) -> None:
+        p, self._probe = self._probe, None
+        if p is not None:
+            p.close()
+
+    # -- executor side -----------------------------------------------------------------------
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        assert isinstance(partition, KafkaInputPartition)
+        o = self.options
+        return read_range(
+            o.settings,
+            partition.topic,
+            partition.partition,
+            partition.start,
+            partition.end,
+            batch_size=o.records_per_arrow_batch,
+            fail_on_data_loss=o.fail_on_data_loss,
+            timeout_s=o.timeout_s,
+        )
+
+
+def _arrow_schema() -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(KAFKA_SCHEMA, timezone="UTC")
+
+
+def read_range(
+    settings: KafkaSettings,
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    *,
+    batch_size: int = 20_000,
+    fail_on_data_loss: bool = True,
+    timeout_s: float = 60.0,
+) -> Iterator[pa.RecordBatch]:
+    """Exactly the records of ``topic``/``partition`` with offsets in ``[start, end)``, as
+    RecordBatches of the source schema. Offsets may have gaps (compaction, transaction
+    markers); the range ends at the first record at or beyond ``end`` or at end-of-partition
+    beyond ``end - 1``. Raises :class:`KafkaTimeoutError` when nothing arrives for
+    ``timeout_s`` and :class:`KafkaDataLossError` when ``start`` was deleted (unless
+    ``fail_on_data_loss`` is false: then it reads from the first available record)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    if end <= start:
+        return
+    schema = _arrow_schema()
+    htype = schema.field("headers").type
+    tstype = schema.field("timestamp").type
+    consumer = new_consumer(
+        settings,
+        **{
+            "enable.partition.eof": "true",
+            "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
+            "fetch.wait.max.ms": "50",
+            "queued.min.messages": str(max(batch_size, 100_000)),
+        },
+    )
+
+    def build(keys: list[Any], vals: list[Any], offs: list[int], tss: list[Any],
+              hdrs: list[Any], any_headers: bool) -> pa.RecordBatch:
+        n = len(offs)
+        ts = pc.multiply(pa.array(tss, pa.int64()), 1000).cast(tstype)
+        if any_headers:
+            headers = pa.array(
+                [None if h is None else [{"key": k, "value": v} for k, v in h] for h in hdrs],
+                htype,
+            )
+        else:
+            headers = pa.nulls(n, htype)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(keys, pa.binary()),
+                pa.array(vals, pa.binary()),
+                pa.array([topic] * n, pa.string()),
+                pa.array(np.full(n, partition, dtype=np.int32)),
+                pa.array(offs, pa.int64()),
+                ts,
+                headers,
+            ],
+            schema=schema,
+        )
+
+    try:
+        consumer.assign([TopicPartition(topic, partition, start)])
+        keys: list[Any] = []
+        vals: list[Any] = []
+        offs: list[int] = []
+        tss: list[Any] = []
+        hdrs: list[Any] = []
+        any_headers = False
+        done = False
+        idle_since = time.monotonic()
+        while not done:
+            msgs = consumer.consume(num_messages=min(batch_size, 10_000), timeout=0.05)
+            if not msgs:
+                if time.monotonic() - idle_since > timeout_s:
+                    raise KafkaTimeoutError(
+                        f"expected records up to offset {end} of {topic}/{partition} within "
+                        f"{timeout_s}s, found the last at {offs[-1] if offs else start - 1}",
+                        topic=topic, partition=partition,
+                    )
+                continue
+            idle_since = time.monotonic()
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    code = err.code()
+                    if code == KafkaError._PARTITION_EOF:
+                        if m.offset() >= end:
+                            done = True
+                            break
+                        continue
+                    if code == KafkaError._AUTO_OFFSET_RESET or code == KafkaError.OFFSET_OUT_OF_RANGE:
+                        raise KafkaDataLossError(
+                            f"expected offsets [{start}, {end}) of {topic}/{partition} to be "
+                            f"readable, found them deleted ({err.str()})",
+                            topic=topic, partition=partition, start=start, end=end,
+                        )
+                    raise translate(KafkaException(err), f"reading {topic}/{partition}")
+                off = m.offset()
+                if off >= end:
+                    done = True
+                    break
+                keys.append(m.key())
+                vals.append(m.value())
+                offs.append(off)
+                tt, t = m.timestamp()
+                tss.append(t if tt else None)
+                h = m.headers()
+                if h is not None:
+                    any_headers = True
+                hdrs.append(h)
+                if off == end - 1:
+                    done = True
+                    break
+            if len(offs) >= batch_size or (done and offs):
+                yield build(keys, vals, offs, tss, hdrs, any_headers)
+                keys, vals, offs, tss, hdrs = [], [], [], [], []
+                any_headers = False
+    finally:
+        consumer.close()
+
+
+# -- sink ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SinkOptions:
+    settings: KafkaSettings
+    topic: str | None = None
+    id_header: str | None = ID_HEADER
+    flush_timeout_s: float = 60.0
+    #: Test hook: when set and the file does not exist, the first task to produce
+    #: ``fail_after_records`` records creates it and fails (after flushing them).
+    fail_marker: str | None = None
+    fail_after_records: int = 1
+
+    @staticmethod
+    def parse(options: Mapping[str, str]) -> SinkOptions:
+        low = {k.lower(): v for k, v in options.items()}
+        idh = low.get("idheader", ID_HEADER)
+        return SinkOptions(
+            settings=KafkaSettings.from_options(options),
+            topic=low.get("topic") or None,
+            id_header=idh or None,
+            flush_timeout_s=float(low.get("flushtimeoutseconds", 60.0)),
+            fail_marker=low.get("testfailmarker") or None,
+            fail_after_records=_int(low, "testfailafterrecords", 1) or 1,
+        )
+
+
+@dataclass
+class KafkaCommitMessage(WriterCommitMessage):
+    partition_id: int
+    records: int
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the sink's test hook (``testFailMarker``)."""
+
+
+_SINK_COLUMNS = {"key", "value", "topic", "partition", "headers"}
+
+
+def _check_sink_schema(schema: StructType, options: SinkOptions) -> None:
+    names = set(schema.fieldNames())
+    if "value" not in names:
+        raise KafkaConfigError(f"expected a 'value' column, found columns {sorted(names)}")
+    if "topic" not in names and not options.topic:
+        raise KafkaConfigError("expected a 'topic' option or a 'topic' column, found neither")
+    allowed: dict[str, tuple[type, ...]] = {
+        "key": (BinaryType, StringType),
+        "value": (BinaryType, StringType),
+        "topic": (StringType,),
+        "partition": (IntegerType, LongType),
+    }
+    for f in schema.fields:
+        if f.name in allowed and not isinstance(f.dataType, allowed[f.name]):
+            raise KafkaConfigError(
+                f"expected column {f.name!r} of type "
+                f"{' or '.join(t.__name__ for t in allowed[f.name])}, found {f.dataType}"
+            )
+        if f.name == "headers" and f.dataType != HEADER_TYPE:
+            raise KafkaConfigError(
+                f"expected column 'headers' of type {HEADER_TYPE.simpleString()}, found "
+                f"{f.dataType.simpleString()}"
+            )
+
+
+class KafkaStreamWriter(DataSourceStreamArrowWriter):
+    """Produces each task's records with an idempotent producer, flushes, then returns the
+    commit message. Commit order per task: (1) produce every record, (2) flush and check
+    every delivery, (3) return the commit message; Spark commits the batch only after every
+    task did (3). ``commit``/``abort`` have nothing to do: delivered records stay delivered,
+    and consumers drop replays by id (:class:`Deduplicator`)."""
+
+    def __init__(self, options: SinkOptions, schema: StructType) -> None:
+        _check_sink_schema(schema, options)
+        self.options = options
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:  # type: ignore[override]
+        from confluent_kafka import KafkaException, Producer
+        from pyspark import TaskContext
+
+        o = self.options
+        ctx = TaskContext.get()
+        pid = ctx.partitionId() if ctx else 0
+        batch_id = (ctx.getLocalProperty("streaming.sql.batchId") if ctx else None) or "-1"
+        query_id = (ctx.getLocalProperty("sql.streaming.queryId") if ctx else None) or "none"
+        id_prefix = f"{query_id}:{batch_id}:{pid}:"
+        failures: list[Any] = []
+
+        def on_delivery(err: Any, msg: Any) -> None:
+            if err is not None:
+                failures.append(err)
+
+        conf = o.settings.config(
+            **{
+                "enable.idempotence": "true",
+                "acks": "all",
+                "linger.ms": "5",
+                "delivery.report.only.error": "true",
+                "on_delivery": on_delivery,
+            }
+        )
+        try:
+            producer = Producer(conf)
+        except (KafkaException, ValueError) as e:
+            raise translate(e, "creating a Kafka producer") from e
+        idh = o.id_header
+        seq = 0
+        try:
+            for rb in iterator:
+                names = rb.schema.names
+                n = rb.num_rows
+
+                def col(name: str) -> list[Any]:
+                    return rb.column(name).to_pylist() if name in names else [None] * n
+
+                keys, vals, topics, parts, hdrs = (
+                    col("key"), col("value"), col("topic"), col("partition"), col("headers")
+                )
+                for i in range(n):
+                    key = keys[i]
+                    val = vals[i]
+                    if isinstance(key, str):
+                        key = key.encode()
+                    if isinstance(val, str):
+                        val = val.encode()
+                    topic = topics[i] or o.topic
+                    if not topic:
+                        raise KafkaConfigError(
+                            f"expected a topic for record {seq} (column or option), found null"
+                        )
+                    h = [(x["key"], x["value"]) for x in hdrs[i]] if hdrs[i] else []
+                    if idh:
+                        h.append((idh, (id_prefix + str(seq)).encode()))
+                    part = parts[i]
+                    while True:
+                        try:
+                            if part is None:
+                                producer.produce(topic, val, key, headers=h or None)
+                            else:
+                                producer.produce(topic, val, key, partition=int(part),
+                                                 headers=h or None)
+                            break
+                        except BufferError:
+                            producer.poll(0.05)
+                        except KafkaException as e:
+                            raise translate(e, f"producing to {topic}") from e
+                    seq += 1
+                    if o.fail_marker and seq == o.fail_after_records:
+                        self._maybe_inject_failure(producer)
+                producer.poll(0)
+                if failures:
+                    break
+            remaining = producer.flush(o.flush_timeout_s)
+            if failures:
+                raise KafkaDeliveryError(
+                    f"expected every record of batch {batch_id} task {pid} delivered, found "
+                    f"{len(failures)} failed: {failures[0]}",
+                    batch_id=batch_id, partition_id=pid,
+                )
+            if remaining:
+                raise KafkaDeliveryError(
+                    f"expected every record of batch {batch_id} task {pid} acknowledged within "
+                    f"{o.flush_timeout_s}s, found {remaining} outstanding",
+                    batch_id=batch_id, partition_id=pid,
+                )
+        except BaseException:
+            producer.purge()  # nothing of a failed attempt keeps trickling out after it
+            producer.flush(0)
+            raise
+        return KafkaCommitMessage(partition_id=pid, records=seq)
+
+    def _maybe_inject_failure(self, producer: Any) -> None:
+        marker = self.options.fail_marker
+        assert marker
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        producer.flush(self.options.flush_timeout_s)  # the records so far are delivered
+        raise InjectedFailure(f"injected failure after {self.options.fail_after_records} records")
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass
+
+
+class KafkaDataSource(DataSource):
+    """``shardsink-kafka``: streaming reader and writer (see the module docstring)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> StructType:
+        return KAFKA_SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return KafkaStreamReader(SourceOptions.parse(self.options))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamArrowWriter:
+        return KafkaStreamWriter(SinkOptions.parse(self.options), schema)
+
+
+def register_kafka_source(spark: SparkSession) -> None:
+    """Register ``shardsink-kafka`` with the session (idempotent)."""
+    spark.dataSource.register(KafkaDataSource)
+
+
+# -- message ids and the consumer-side deduplicator ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MessageId:
+    """``{query_id}:{batch_id}:{task_partition}:{seq}`` as the sink writes it."""
+
+    query_id: str
+    batch_id: int
+    task_partition: int
+    seq: int
+
+    @staticmethod
+    def parse(raw: bytes | str) -> MessageId:
+        s = raw.decode() if isinstance(raw, bytes) else raw
+        parts = s.rsplit(":", 3)
+        try:
+            q, b, t, n = parts
+            return MessageId(q, int(b), int(t), int(n))
+        except ValueError as e:
+            raise KafkaConfigError(
+                f"expected a message id 'query:batch:partition:seq', found {s!r}"
+            ) from e
+
+    def __str__(self) -> str:
+        return f"{self.query_id}:{self.batch_id}:{self.task_partition}:{self.seq}"
+
+
+@dataclass
+class Deduplicator:
+    """Drops records a retried sink batch delivered again (see the module docstring).
+
+    Feed it every record of a kafka partition in offset order. Keep its state (``to_json``)
+    with the consumer's offsets so that a restarted consumer keeps dropping replays. Records
+    without the id header are always new.
+    """
+
+    header: str = ID_HEADER
+    _high: dict[tuple[str, int, str, int], tuple[int, int]] = field(default_factory=dict)
+    dropped: int = 0
+
+    def is_new(self, topic: str, partition: int,
+               headers: Sequence[tuple[str, bytes | None]] | None) -> bool:
+        raw = None
+        for k, v in headers or ():
+            if k == self.header:
+                raw = v
+        if raw is None:
+            return True
+        mid = MessageId.parse(raw)
+        key = (topic, partition, mid.query_id, mid.task_partition)
+        pos = (mid.batch_id, mid.seq)
+        high = self._high.get(key)
+        if high is not None and pos <= high:
+            self.dropped += 1
+            return False
+        self._high[key] = pos
+        return True
+
+    def to_json(self) -> str:
+        return json.dumps([[list(k), list(v)] for k, v in sorted(self._high.items())])
+
+    @staticmethod
+    def from_json(s: str, header: str = ID_HEADER) -> Deduplicator:
+        d = Deduplicator(header)
+        for k, v in json.loads(s):
+            d._high[(str(k[0]), int(k[1]), str(k[2]), int(k[3]))] = (int(v[0]), int(v[1]))
+        return d
+
+
+# -- connector choice ----------------------------------------------------------------------
+
+
+def _connector(connector: str | None) -> str:
+    c = (connector or os.environ.get(CONNECTOR_ENV) or "shardsink").strip().lower()
+    if c not in ("shardsink", "builtin"):
+        raise KafkaConfigError(f"expected {CONNECTOR_ENV} 'shardsink' or 'builtin', found {c!r}")
+    return c
+
+
+def kafka_read_stream(
+    spark: SparkSession,
+    settings: KafkaSettings,
+    topics: Sequence[str],
+    *,
+    starting_offsets: str = "earliest",
+    max_records_per_trigger: int | None = None,
+    connector: str | None = None,
+) -> DataFrame:
+    """A streaming DataFrame of Kafka records (columns as in the module docstring).
+
+    ``connector`` (default: env ``SHARDSINK_SPARK_KAFKA_CONNECTOR``, else ``shardsink``):
+    ``shardsink`` is this module's source; ``builtin`` is Spark's ``format("kafka")`` (needs
+    the ``spark-sql-kafka`` jar; the headers column then follows Spark's connector).
+    """
+    if _connector(connector) == "builtin":
+        r = (
+            spark.readStream.format("kafka")
+            .option("kafka.bootstrap.servers", settings.bootstrap)
+            .option("subscribe", ",".join(topics))
+            .option("startingOffsets", starting_offsets)
+            .option("includeHeaders", "true")
+        )
+        for k, v in settings.options:
+            r = r.option(f"kafka.{k}", v)
+        if max_records_per_trigger:
+            r = r.option("maxOffsetsPerTrigger", str(max_records_per_trigger))
+        return r.load()
+    register_kafka_source(spark)
+    r = spark.readStream.format(SOURCE_NAME).option("topics", ",".join(topics))
+    r = r.option("startingOffsets", starting_offsets)
+    for k, v in settings.to_options().items():
+        r = r.option(k, v)
+    if max_records_per_trigger:
+        r = r.option("maxRecordsPerTrigger", str(max_records_per_trigger))
+    return r.load()
+
+
+def kafka_write_stream(
+    df: DataFrame,
+    settings: KafkaSettings,
+    *,
+    topic: str | None = None,
+    connector: str | None = None,
+) -> DataStreamWriter:
+    """A DataStreamWriter to Kafka (set the checkpoint and trigger, then ``start()``)."""
+    if _connector(connector) == "builtin":
+        w = df.writeStream.format("kafka").option("kafka.bootstrap.servers", settings.bootstrap)
+        for k, v in settings.options:
+            w = w.option(f"kafka.{k}", v)
+        if topic:
+            w = w.option("topic", topic)
+        return w
+    register_kafka_source(df.sparkSession)
+    w = df.writeStream.format(SOURCE_NAME)
+    for k, v in settings.to_options().items():
+        w = w.option(k, v)
+    if topic:
+        w = w.option("topic", topic)
+    return w
