@@ -18,6 +18,8 @@ from shared.errors import ShardsinkError
 #: Modules with a ``register(subparsers) -> None`` function.
 _MODULES: tuple[str, ...] = (
     "shared.cli_stack",
+    "shared.cli_produce",
+    "services.cli_catalog",
 )
 
 

@@ -1,0 +1,266 @@
+"""What every service shares: settings parsed once at the edge, the clients built from them,
+the SparkSession, and the supervisor that follows the catalog and runs one streaming query per
+sink (so sinks are added and dropped at runtime without restarting the services).
+
+Settings (environment variable, flag, default):
+
+=============================  ======================  ==================================
+variable                       flag                    default
+=============================  ======================  ==================================
+SHARDSINK_KAFKA_BOOTSTRAP      --bootstrap             127.0.0.1:9092
+SHARDSINK_KAFKA_* (options)    (see shared.io.kafka)   SASL/TLS passed to librdkafka
+SHARDSINK_S3_ENDPOINT          --s3-endpoint           (AWS default endpoint)
+SHARDSINK_S3_BUCKET            --bucket                shardsink
+SHARDSINK_S3_PREFIX            --s3-prefix             ''
+AWS_ACCESS_KEY_ID[_FILE]       -                       AWS credential chain
+AWS_SECRET_ACCESS_KEY[_FILE]   -                       AWS credential chain
+SHARDSINK_CHECKPOINT_DIR       --checkpoint-dir        /tmp/shardsink-checkpoints
+SHARDSINK_TOPIC_DESCS          --descs-topic           descs
+SHARDSINK_TOPIC_BATCHES        --batches-topic         batches
+SHARDSINK_TOPIC_FRONTIERS      --frontiers-topic       frontiers
+SHARDSINK_TRIGGER_MS           --trigger-ms            100
+SHARDSINK_CATALOG_POLL_MS      --catalog-poll-ms       1000
+SHARDSINK_SPARK_MASTER         --master                local[2] (ignored under spark-submit)
+SHARDSINK_STAGED_GRACE_MS      --grace-ms              600000
+=============================  ======================  ==================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.catalog import Catalog, SinkDef
+from shared.io.kafka import KafkaSettings
+from shared.io.s3 import S3ObjectStore, S3Settings
+
+log = logging.getLogger("shardsink")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSettings:
+    kafka: KafkaSettings
+    s3: S3Settings
+    checkpoint_dir: str = "/tmp/shardsink-checkpoints"
+    descs_topic: str = "descs"
+    batches_topic: str = "batches"
+    frontiers_topic: str = "frontiers"
+    trigger_ms: int = 100
+    catalog_poll_ms: int = 1000
+    spark_master: str = "local[2]"
+    grace_ms: int = 600_000
+    #: Restrict a service instance to these sinks (empty: all sinks in the catalog).
+    only_sinks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.trigger_ms < 0 or self.catalog_poll_ms <= 0:
+            raise ValueError(
+                f"expected trigger_ms >= 0 and catalog_poll_ms > 0, found {self.trigger_ms}, {self.catalog_poll_ms}"
+            )
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--bootstrap", help="Kafka bootstrap servers (SHARDSINK_KAFKA_BOOTSTRAP)")
+        p.add_argument("--s3-endpoint", help="S3 endpoint URL (SHARDSINK_S3_ENDPOINT)")
+        p.add_argument("--bucket", help="S3 bucket (SHARDSINK_S3_BUCKET)")
+        p.add_argument("--s3-prefix", help="S3 key prefix (SHARDSINK_S3_PREFIX)")
+        p.add_argument("--checkpoint-dir", help="Spark checkpoint root (SHARDSINK_CHECKPOINT_DIR)")
+        p.add_argument("--descs-topic")
+        p.add_argument("--batches-topic")
+        p.add_argument("--frontiers-topic")
+        p.add_argument("--trigger-ms", type=int)
+        p.add_argument("--catalog-poll-ms", type=int)
+        p.add_argument("--master", help="Spark master for local runs (SHARDSINK_SPARK_MASTER)")
+        p.add_argument("--grace-ms", type=int)
+        p.add_argument("--sink", action="append", default=[], help="serve only this sink (repeatable)")
+
+    @staticmethod
+    def from_env_and_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> ServiceSettings:
+        e = dict(os.environ if env is None else env)
+        a = vars(args) if args is not None else {}
+
+        def pick(flag: str, var: str, default: str) -> str:
+            v = a.get(flag)
+            return str(v) if v not in (None, "") else e.get(var, default)
+
+        kafka_env = {**e, "SHARDSINK_KAFKA_BOOTSTRAP": pick("bootstrap", "SHARDSINK_KAFKA_BOOTSTRAP", "127.0.0.1:9092")}
+        s3 = S3Settings.from_env(
+            {
+                **e,
+                "SHARDSINK_S3_ENDPOINT": pick("s3_endpoint", "SHARDSINK_S3_ENDPOINT", ""),
+                "SHARDSINK_S3_BUCKET": pick("bucket", "SHARDSINK_S3_BUCKET", "shardsink"),
+                "SHARDSINK_S3_PREFIX": pick("s3_prefix", "SHARDSINK_S3_PREFIX", ""),
+            }
+        )
+        return ServiceSettings(
+            kafka=KafkaSettings.from_env(kafka_env),
+            s3=s3,
+            checkpoint_dir=pick("checkpoint_dir", "SHARDSINK_CHECKPOINT_DIR", "/tmp/shardsink-checkpoints"),
+            descs_topic=pick("descs_topic", "SHARDSINK_TOPIC_DESCS", "descs"),
+            batches_topic=pick("batches_topic", "SHARDSINK_TOPIC_BATCHES", "batches"),
+            frontiers_topic=pick("frontiers_topic", "SHARDSINK_TOPIC_FRONTIERS", "frontiers"),
+            trigger_ms=int(pick("trigger_ms", "SHARDSINK_TRIGGER_MS", "100")),
+            catalog_poll_ms=int(pick("catalog_poll_ms", "SHARDSINK_CATALOG_POLL_MS", "1000")),
+            spark_master=pick("master", "SHARDSINK_SPARK_MASTER", "local[2]"),
+            grace_ms=int(pick("grace_ms", "SHARDSINK_STAGED_GRACE_MS", "600000")),
+            only_sinks=tuple(a.get("sink") or ()),
+        )
+
+    # -- clients ---------------------------------------------------------------------------
+    def store(self) -> S3ObjectStore:
+        return S3ObjectStore(self.s3)
+
+    def catalog(self) -> Catalog:
+        return Catalog(self.store())
+
+
+def configure_logging(service: str) -> None:
+    """Structured (JSON) logs on stderr; secrets are never logged (settings repr masks them)."""
+    import json
+
+    class _Json(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            out: dict[str, Any] = {
+                "ts": round(record.created, 3),
+                "level": record.levelname.lower(),
+                "service": service,
+                "msg": record.getMessage(),
+            }
+            for k in ("sink_id", "collection_id", "shard_id"):
+                v = getattr(record, k, None)
+                if v is not None:
+                    out[k] = v
+            if record.exc_info:
+                out["exc"] = self.formatException(record.exc_info)
+            return json.dumps(out)
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Json())
+    root = logging.getLogger("shardsink")
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("SHARDSINK_LOG_LEVEL", "INFO").upper())
+    root.propagate = False
+
+
+def spark_session(settings: ServiceSettings, app_name: str) -> Any:
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if "spark.master" not in os.environ.get("SPARK_CONF", "") and not os.environ.get("SPARK_SUBMIT"):
+        builder = builder.master(settings.spark_master)
+    spark = (
+        builder.config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.streaming.stopTimeout", "30s")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    from shared.io.spark_kafka import register_kafka_source
+
+    register_kafka_source(spark)
+    return spark
+
+
+@dataclass
+class SinkRunner:
+    """One running streaming query for one sink."""
+
+    sink: SinkDef
+    query: Any
+    stop_fn: Callable[[], None] | None = None
+
+
+@dataclass
+class Supervisor:
+    """Follows the catalog and keeps one streaming query per live sink.
+
+    ``start_query(sink)`` builds and starts the sink's query and returns it; a query whose
+    sink is dropped (or re-created with another epoch) is stopped. A query that failed is
+    restarted on the next poll (its state is rebuilt from the topics and the shard).
+    """
+
+    name: str
+    settings: ServiceSettings
+    start_query: Callable[[SinkDef], Any]
+    running: dict[str, SinkRunner] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    restarts: int = 0
+
+    def poll_once(self) -> None:
+        catalog = self.settings.catalog()
+        wanted = {
+            s.sink_id: s
+            for s in catalog.state().live_sinks()
+            if not self.settings.only_sinks or s.sink_id in self.settings.only_sinks
+        }
+        for sink_id, runner in list(self.running.items()):
+            want = wanted.get(sink_id)
+            failed = runner.query is not None and not runner.query.isActive
+            if want is None or want.epoch != runner.sink.epoch or failed:
+                if failed:
+                    exc = runner.query.exception()
+                    log.error("query failed, restarting: %s", exc, extra={"sink_id": sink_id})
+                    self.restarts += 1
+                self._stop_runner(runner)
+                del self.running[sink_id]
+        for sink_id, sink in wanted.items():
+            if sink_id not in self.running:
+                log.info("starting %s for sink", self.name, extra={"sink_id": sink_id})
+                self.running[sink_id] = SinkRunner(sink, self.start_query(sink))
+
+    def _stop_runner(self, runner: SinkRunner) -> None:
+        try:
+            if runner.query is not None:
+                runner.query.stop()
+        except Exception as e:  # noqa: BLE001 - stopping a failed query may raise again
+            log.warning("stopping query: %s", e, extra={"sink_id": runner.sink.sink_id})
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as e:  # noqa: BLE001 - the supervisor must outlive bad polls
+                log.error("catalog poll failed: %s", e, exc_info=True)
+            self._stop.wait(self.settings.catalog_poll_ms / 1000.0)
+
+    def start(self) -> Supervisor:
+        self._thread = threading.Thread(target=self.run_forever, name=f"{self.name}-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for runner in list(self.running.values()):
+            self._stop_runner(runner)
+        self.running.clear()
+
+
+def checkpoint_path(settings: ServiceSettings, service: str, sink: SinkDef) -> str:
+    """An ephemeral checkpoint per query start: the services rebuild their state from the
+    topics (from the earliest offsets) and the shard, so Spark's offsets must not skip what
+    the state needs. Kafka retention bounds the replay; see README "Recovery"."""
+    return os.path.join(settings.checkpoint_dir, service, f"{sink.sink_id}-e{sink.epoch}-{uuid.uuid4().hex[:8]}")
+
+
+def wait_forever(stop: threading.Event) -> None:
+    import signal
+
+    def _handler(*_: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    while not stop.is_set():
+        time.sleep(0.5)

@@ -1,0 +1,140 @@
+"""I/O shared by the three sink services: the executor-side decode of Kafka micro-batches,
+and the driver-side encode/produce of control messages (descs, batches, frontiers).
+
+Decoding happens in the executors, one Spark task per Kafka partition (``mapInArrow``), so a
+desired topic with N partitions is decoded by N parallel tasks; the driver receives compact
+Arrow columns. Control topics are tiny; their raw values pass through and are decoded on the
+driver.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+KIND_UPDATE = "update"
+KIND_PROGRESS = "progress"
+KIND_BAD = "bad"
+KIND_CONTROL = "control"
+
+DECODED_SCHEMA = pa.schema(
+    [
+        pa.field("topic", pa.string()),
+        pa.field("partition", pa.int32()),
+        pa.field("offset", pa.int64()),
+        pa.field("kind", pa.string()),
+        pa.field("row", pa.binary()),
+        pa.field("time", pa.int64()),  # u64 as two's complement (Spark has no unsigned long)
+        pa.field("diff", pa.int64()),
+        pa.field("frontier", pa.int64()),  # null with frontier_closed: the empty frontier
+        pa.field("frontier_closed", pa.bool_()),
+        pa.field("error", pa.string()),
+        pa.field("value", pa.binary()),
+    ]
+)
+
+DECODED_DDL = (
+    "topic string, partition int, offset long, kind string, row binary, time long, diff long, "
+    "frontier long, frontier_closed boolean, error string, value binary"
+)
+
+
+def _signed(t: int) -> int:
+    return t - 2**64 if t >= 2**63 else t
+
+
+def decode_partition(desired_topic: str) -> Any:
+    """A ``mapInArrow`` function decoding desired messages of ``desired_topic``."""
+
+    def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from shared.desired import DesiredProgress, decode_desired
+        from shared.errors import DecodeError
+
+        for rb in batches:
+            topics = rb.column("topic").to_pylist()
+            parts = rb.column("partition").to_pylist()
+            offs = rb.column("offset").to_pylist()
+            vals = rb.column("value").to_pylist()
+            cols: dict[str, list[Any]] = {f.name: [] for f in DECODED_SCHEMA}
+            for topic, part, off, val in zip(topics, parts, offs, vals, strict=True):
+                row = tm = diff = fr = err = raw = None
+                closed = False
+                if topic != desired_topic:
+                    kind, raw = KIND_CONTROL, val
+                else:
+                    try:
+                        msg = decode_desired(val if val is not None else b"")
+                    except DecodeError as e:
+                        kind, err = KIND_BAD, f"undecodable desired message at {topic}/{part}@{off}: {e}"
+                    else:
+                        if isinstance(msg, DesiredProgress):
+                            kind = KIND_PROGRESS
+                            closed = msg.frontier.is_empty()
+                            fr = None if closed else _signed(msg.frontier.time or 0)
+                        else:
+                            kind, row, tm, diff = KIND_UPDATE, msg.row, _signed(msg.time), msg.diff
+                for name, v in (
+                    ("topic", topic), ("partition", part), ("offset", off), ("kind", kind),
+                    ("row", row), ("time", tm), ("diff", diff), ("frontier", fr),
+                    ("frontier_closed", closed), ("error", err), ("value", raw),
+                ):
+                    cols[name].append(v)
+            yield pa.RecordBatch.from_pydict(cols, schema=DECODED_SCHEMA)
+
+    return fn
+
+
+def collect_decoded(df: Any, desired_topic: str | None) -> pa.Table:
+    """Decode a micro-batch DataFrame of the Kafka source and bring it to the driver, sorted
+    by (topic, partition, offset) so that per-partition order is kept."""
+    src = df.select("topic", "partition", "offset", "value")
+    table = src.mapInArrow(decode_partition(desired_topic or "\0none"), DECODED_DDL).toArrow()
+    if table.num_rows:
+        table = table.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
+    return table
+
+
+def u64(v: int | None) -> int | None:
+    return None if v is None else v & (2**64 - 1)
+
+
+class ControlProducer:
+    """Produces control messages (descs, batches, frontiers) from a driver; :meth:`flush` is
+    called before the micro-batch that decided them commits, and raises if any failed."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self._errors: list[Any] = []
+
+    @staticmethod
+    def create(kafka_settings: Any, client_id: str) -> ControlProducer:
+        from confluent_kafka import Producer
+
+        conf = kafka_settings.config(**{"enable.idempotence": True, "client.id": client_id, "linger.ms": 2})
+        return ControlProducer(Producer(conf))
+
+    def _on_delivery(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self._errors.append(err)
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        from shared.errors import KafkaAdapterError
+
+        deadline = time.monotonic() + timeout_s
+        while self.producer.flush(0.5) > 0:
+            if time.monotonic() > deadline:
+                raise KafkaAdapterError(f"expected control messages delivered within {timeout_s}s, found some pending")
+        if self._errors:
+            errs, self._errors = self._errors, []
+            raise KafkaAdapterError(f"expected control messages delivered, found errors: {errs[:3]}")

@@ -1,0 +1,350 @@
+"""The catalog: collections and sinks, on the object store, under the conditional-write
+discipline of :mod:`shared.versioned` (no database).
+
+Both the sink services (which read sink definitions and follow them at runtime) and the
+controller (which owns the catalog's commands) use this module. Every change is a pure
+transition on a frozen :class:`CatalogState`, committed as state ``n + 1`` with
+``If-None-Match: *``.
+
+Rules kept here:
+
+- Ids are single path segments (``validate_shard_id``): nothing escapes its S3 prefix.
+- Re-creating an id with the same definition is a no-op; with another, an error.
+- Ids of dropped collections and sinks are never reused (tombstones stay in the catalog).
+- ``controller_epoch`` fences controllers: a controller claims an epoch on start and every
+  write it makes checks it; a second controller's claim fences the first out.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shared.errors import FormatError, InvalidUsageError, ShardsinkError
+from shared.objectstore import ObjectStore, now_ms
+from shared.versioned import AlreadyApplied, VersionedLog
+
+CATALOG_FORMAT_VERSION = 1
+
+
+class CatalogError(ShardsinkError):
+    """A catalog change was refused. ``kind`` is the typed error name used in responses."""
+
+    kind = "catalog_error"
+
+
+class UnknownCollectionError(CatalogError):
+    kind = "unknown_collection"
+
+
+class UnknownSinkError(CatalogError):
+    kind = "unknown_sink"
+
+
+class IdReuseError(CatalogError):
+    kind = "id_reuse"
+
+
+class FencedError(CatalogError):
+    """Another controller claimed a newer epoch: this one must stop writing."""
+
+    kind = "fenced"
+
+
+def validate_id(kind: str, value: str) -> str:
+    from shared.shard import validate_shard_id
+
+    try:
+        return validate_shard_id(value)
+    except InvalidUsageError:
+        raise InvalidUsageError(
+            f"expected a {kind} id of letters, digits, '.', '_' or '-' (1-128 chars, no '..'), "
+            f"found {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionDef:
+    collection_id: str
+    schema: dict[str, Any]
+    since: int = 0
+    read_policy: dict[str, Any] = field(default_factory=dict)
+    dropped: bool = False
+
+    def definition(self) -> dict[str, Any]:
+        """What "the same definition" compares (the policy may be altered later)."""
+        return {"schema": self.schema, "since": self.since}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "collection_id": self.collection_id,
+            "schema": self.schema,
+            "since": self.since,
+            "read_policy": self.read_policy,
+            "dropped": self.dropped,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> CollectionDef:
+        return CollectionDef(
+            collection_id=str(d["collection_id"]),
+            schema=dict(d["schema"]),
+            since=int(d["since"]),
+            read_policy=dict(d.get("read_policy") or {}),
+            dropped=bool(d.get("dropped", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SinkDef:
+    """A sink: keep ``collection_id``'s shard equal to the collection on ``desired_topic``.
+
+    ``epoch`` changes whenever the definition is (re)activated, so services can tell a
+    re-created sink from the old one.
+    """
+
+    sink_id: str
+    desired_topic: str
+    collection_id: str
+    as_of: int = 0
+    read_only: bool = False
+    dropped: bool = False
+    epoch: int = 0
+
+    def definition(self) -> dict[str, Any]:
+        return {"desired_topic": self.desired_topic, "collection_id": self.collection_id, "as_of": self.as_of}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sink_id": self.sink_id,
+            "desired_topic": self.desired_topic,
+            "collection_id": self.collection_id,
+            "as_of": self.as_of,
+            "read_only": self.read_only,
+            "dropped": self.dropped,
+            "epoch": self.epoch,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> SinkDef:
+        return SinkDef(
+            sink_id=str(d["sink_id"]),
+            desired_topic=str(d["desired_topic"]),
+            collection_id=str(d["collection_id"]),
+            as_of=int(d.get("as_of", 0)),
+            read_only=bool(d.get("read_only", False)),
+            dropped=bool(d.get("dropped", False)),
+            epoch=int(d.get("epoch", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogState:
+    seqno: int
+    change_token: str = ""
+    collections: dict[str, CollectionDef] = field(default_factory=dict)
+    sinks: dict[str, SinkDef] = field(default_factory=dict)
+    controller_epoch: int = 0
+    written_ms: int = 0
+    #: Free-form, versioned sections owned by the controller (command log, holds...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def live_sinks(self) -> list[SinkDef]:
+        return sorted((s for s in self.sinks.values() if not s.dropped), key=lambda s: s.sink_id)
+
+    def live_collections(self) -> list[CollectionDef]:
+        return sorted((c for c in self.collections.values() if not c.dropped), key=lambda c: c.collection_id)
+
+    def collection(self, collection_id: str) -> CollectionDef:
+        c = self.collections.get(collection_id)
+        if c is None or c.dropped:
+            raise UnknownCollectionError(
+                f"expected a live collection {collection_id!r}, found "
+                f"{'a dropped one' if c else 'none'}",
+                collection_id=collection_id,
+            )
+        return c
+
+    def sink(self, sink_id: str) -> SinkDef:
+        s = self.sinks.get(sink_id)
+        if s is None or s.dropped:
+            raise UnknownSinkError(
+                f"expected a live sink {sink_id!r}, found {'a dropped one' if s else 'none'}",
+                sink_id=sink_id,
+            )
+        return s
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "format": CATALOG_FORMAT_VERSION,
+                "seqno": self.seqno,
+                "change_token": self.change_token,
+                "collections": {k: v.to_json() for k, v in sorted(self.collections.items())},
+                "sinks": {k: v.to_json() for k, v in sorted(self.sinks.items())},
+                "controller_epoch": self.controller_epoch,
+                "written_ms": self.written_ms,
+                "extra": self.extra,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> CatalogState:
+        try:
+            d = json.loads(data)
+            if d.get("format") != CATALOG_FORMAT_VERSION:
+                raise FormatError(f"expected catalog format {CATALOG_FORMAT_VERSION}, found {d.get('format')!r}")
+            return CatalogState(
+                seqno=int(d["seqno"]),
+                change_token=str(d.get("change_token", "")),
+                collections={k: CollectionDef.from_json(v) for k, v in d["collections"].items()},
+                sinks={k: SinkDef.from_json(v) for k, v in d["sinks"].items()},
+                controller_epoch=int(d.get("controller_epoch", 0)),
+                written_ms=int(d.get("written_ms", 0)),
+                extra=dict(d.get("extra") or {}),
+            )
+        except FormatError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise FormatError(f"expected a catalog state object, found: {e}") from e
+
+
+def _next(state: CatalogState, token: str, **changes: Any) -> CatalogState:
+    return replace(state, seqno=state.seqno + 1, change_token=token, written_ms=now_ms(), **changes)
+
+
+class Catalog:
+    """A handle on the catalog at ``<root>/``; thread-safe, many handles may race."""
+
+    def __init__(self, store: ObjectStore, *, root: str = "catalog", max_cache_age_s: float = 1.0) -> None:
+        self.store = store
+        self._log: VersionedLog[CatalogState] = VersionedLog(
+            store, f"{root}/", CatalogState.decode, max_cache_age_s=max_cache_age_s, name="catalog"
+        )
+        self._ensure()
+
+    def _ensure(self) -> None:
+        try:
+            self._log.refresh()
+        except ShardsinkError:
+            self._log.put_initial(CatalogState(seqno=0, change_token=uuid.uuid4().hex, written_ms=now_ms()))
+            self._log.refresh()
+
+    def state(self, *, fresh: bool = True) -> CatalogState:
+        return self._log.refresh() if fresh else self._log.head()
+
+    def update(self, transition: Any, *, epoch: int | None = None) -> CatalogState:
+        """Commit ``transition(state) -> state`` (may return the state itself: no-op).
+
+        With ``epoch``, the write is fenced: it fails with FencedError if another controller
+        claimed a newer epoch.
+        """
+        token = uuid.uuid4().hex
+
+        def t(head: CatalogState) -> CatalogState:
+            if epoch is not None and head.controller_epoch != epoch:
+                raise FencedError(
+                    f"expected controller epoch {epoch}, found {head.controller_epoch}",
+                    expected=epoch,
+                    actual=head.controller_epoch,
+                )
+            new = transition(head)
+            if new is head:
+                raise AlreadyApplied(head)
+            return _next(head, token, **{
+                k: getattr(new, k) for k in ("collections", "sinks", "controller_epoch", "extra")
+            })
+
+        return self._log.commit(t, token)
+
+    def claim_controller_epoch(self) -> int:
+        """Claim the next controller epoch (fencing out any older controller)."""
+        state = self.update(lambda s: replace(s, controller_epoch=s.controller_epoch + 1))
+        return state.controller_epoch
+
+    # -- collections -----------------------------------------------------------------------
+    def create_collection(self, c: CollectionDef, *, epoch: int | None = None) -> CatalogState:
+        validate_id("collection", c.collection_id)
+
+        def t(s: CatalogState) -> CatalogState:
+            old = s.collections.get(c.collection_id)
+            if old is not None:
+                if old.dropped:
+                    raise IdReuseError(
+                        f"expected a fresh collection id, found {c.collection_id!r} used by a dropped collection",
+                        collection_id=c.collection_id,
+                    )
+                if old.definition() != c.definition():
+                    raise IdReuseError(
+                        f"expected collection {c.collection_id!r} to have its existing definition, found another",
+                        collection_id=c.collection_id,
+                    )
+                return s
+            return replace(s, collections={**s.collections, c.collection_id: c})
+
+        return self.update(t, epoch=epoch)
+
+    def alter_collection(self, collection_id: str, read_policy: dict[str, Any], *, epoch: int | None = None) -> CatalogState:
+        def t(s: CatalogState) -> CatalogState:
+            c = s.collection(collection_id)
+            if c.read_policy == read_policy:
+                return s
+            return replace(s, collections={**s.collections, collection_id: replace(c, read_policy=read_policy)})
+
+        return self.update(t, epoch=epoch)
+
+    def drop_collection(self, collection_id: str, *, epoch: int | None = None) -> CatalogState:
+        def t(s: CatalogState) -> CatalogState:
+            c = s.collections.get(collection_id)
+            if c is None:
+                raise UnknownCollectionError(f"expected a collection {collection_id!r}, found none")
+            if c.dropped:
+                return s
+            sinks = {k: (replace(v, dropped=True) if v.collection_id == collection_id else v) for k, v in s.sinks.items()}
+            return replace(s, collections={**s.collections, collection_id: replace(c, dropped=True)}, sinks=sinks)
+
+        return self.update(t, epoch=epoch)
+
+    # -- sinks -----------------------------------------------------------------------------
+    def create_sink(self, sink: SinkDef, *, epoch: int | None = None) -> CatalogState:
+        validate_id("sink", sink.sink_id)
+        if not sink.desired_topic:
+            raise InvalidUsageError("expected a desired topic name, found ''")
+
+        def t(s: CatalogState) -> CatalogState:
+            s.collection(sink.collection_id)
+            old = s.sinks.get(sink.sink_id)
+            if old is not None:
+                if old.dropped:
+                    raise IdReuseError(f"expected a fresh sink id, found {sink.sink_id!r} used by a dropped sink")
+                if old.definition() != sink.definition():
+                    raise IdReuseError(f"expected sink {sink.sink_id!r} to have its existing definition, found another")
+                return s
+            epoch_n = 1 + max((v.epoch for v in s.sinks.values()), default=0)
+            return replace(s, sinks={**s.sinks, sink.sink_id: replace(sink, epoch=epoch_n)})
+
+        return self.update(t, epoch=epoch)
+
+    def drop_sink(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
+        def t(s: CatalogState) -> CatalogState:
+            old = s.sinks.get(sink_id)
+            if old is None:
+                raise UnknownSinkError(f"expected a sink {sink_id!r}, found none")
+            if old.dropped:
+                return s
+            return replace(s, sinks={**s.sinks, sink_id: replace(old, dropped=True)})
+
+        return self.update(t, epoch=epoch)
+
+    def allow_writes(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
+        def t(s: CatalogState) -> CatalogState:
+            old = s.sink(sink_id)
+            if not old.read_only:
+                return s
+            return replace(s, sinks={**s.sinks, sink_id: replace(old, read_only=False)})
+
+        return self.update(t, epoch=epoch)
