@@ -335,7 +335,7 @@ class Codec:
         """The schemaless Avro body of ``value`` (no framing)."""
         buf = io.BytesIO()
         try:
-            fastavro.schemaless_writer(buf, self._parsed, value, strict=True)
+            fastavro.schemaless_writer(buf, self._parsed, value, strict_allow_default=True)
         except Exception as e:
             raise EncodeError(
                 f"expected a value matching schema {self.subject!r}, found one that does not "

@@ -30,10 +30,22 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
-from shared.frontier import Frontier
+from shared.codec import NAMESPACE, Codec, message_codec
+from shared.errors import DecodeError
+from shared.frontier import Frontier, check_time
 
-__all__ = ["row_partition", "ContractViolation", "DesiredFrontierTracker"]
+__all__ = [
+    "row_partition",
+    "ContractViolation",
+    "DesiredFrontierTracker",
+    "DesiredUpdate",
+    "DesiredProgress",
+    "encode_update",
+    "encode_progress",
+    "decode_desired",
+]
 
 
 def row_partition(key: bytes, partitions: int) -> int:
@@ -138,3 +150,64 @@ class DesiredFrontierTracker:
     def _check_partition(partition: int) -> None:
         if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
             raise ValueError(f"expected a partition number >= 0, found {partition!r}")
+
+
+# -- the messages ----------------------------------------------------------------------------
+
+_UPDATE = f"{NAMESPACE}.Update"
+_PROGRESS = f"{NAMESPACE}.Progress"
+
+
+_CODEC: list[Codec] = []
+
+
+def _desired_codec() -> Codec:
+    if not _CODEC:
+        _CODEC.append(message_codec("desired"))
+    return _CODEC[0]
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredUpdate:
+    """An update: ``row`` is the row single-object encoded with the collection's row schema."""
+
+    row: bytes
+    time: int
+    diff: int
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredProgress:
+    """A progress statement: no more updates at times below ``frontier`` in ``partition``."""
+
+    partition: int
+    frontier: Frontier
+
+
+def encode_update(row: bytes, time: int, diff: int) -> bytes:
+    """A desired-topic message value (single-object encoded ``DesiredMessage``)."""
+    return _desired_codec().encode(
+        {"message": (_UPDATE, {"row": row, "time": time, "diff": diff})}
+    )
+
+
+def encode_progress(partition: int, frontier: Frontier) -> bytes:
+    """A progress statement's message value."""
+    return _desired_codec().encode(
+        {"message": (_PROGRESS, {"partition": partition, "frontier": frontier.time})}
+    )
+
+
+def decode_desired(data: bytes) -> DesiredUpdate | DesiredProgress:
+    """Decode a desired-topic message value; :class:`~shared.errors.DecodeError` if it is not
+    one (the caller routes it to the error collection and goes on)."""
+    value: Any = _desired_codec().decode(data)
+    kind, body = value["message"]
+    if kind == _UPDATE:
+        return DesiredUpdate(row=body["row"], time=body["time"], diff=body["diff"])
+    try:
+        frontier = Frontier(body["frontier"])
+        check_time(body["partition"])
+    except ValueError as e:  # a negative partition
+        raise DecodeError(f"expected a progress statement, found {e}") from e
+    return DesiredProgress(partition=body["partition"], frontier=frontier)

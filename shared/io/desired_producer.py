@@ -1,0 +1,236 @@
+"""Produce a desired collection to its Kafka topic: updates hashed to partitions, progress to
+every partition.
+
+::
+
+    with DesiredProducer(settings, "desired-orders", row_schema) as p:
+        p.send({"id": 1, "total": 10}, time=5, diff=+1)
+        p.send({"id": 2, "total": 20}, time=5, diff=+1)
+        p.advance_to(6)        # no more updates at times < 6, in every partition
+
+Each update goes to partition ``row_partition(row_codec.partition_key(row_bytes), n)`` (the
+hash the write service uses for the shard's read-back). librdkafka batches the records
+(``linger.ms``); the producer is idempotent (``enable.idempotence``, ``acks=all``), so a
+retried send neither duplicates nor reorders records within a partition.
+
+``advance_to(t)``, in this order:
+
+1. flush: wait until every update sent so far is acknowledged; a failed delivery raises
+   :class:`~shared.errors.KafkaDeliveryError` and no progress is sent (the promise would
+   cover updates that are not on the topic);
+2. produce ``Progress(partition=p, frontier=t)`` to every partition ``p``;
+3. flush again, so that when ``advance_to`` returns the statement is durable.
+
+A send at a time below the frontier already advanced to raises
+:class:`~shared.errors.ContractViolationError`: the producer never breaks its own promise.
+
+The partition count is read once, when the producer starts. Kafka can add partitions to a
+topic, but that changes every row's partition: re-partitioning a desired topic needs the sinks
+to be restarted from a consistent point, so the producer does not follow a growing topic
+silently (``refresh_partitions()`` does it on request).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from shared.codec import RowCodec
+from shared.desired import encode_progress, encode_update, row_partition
+from shared.errors import ContractViolationError, KafkaDeliveryError, KafkaTimeoutError
+from shared.frontier import Frontier
+from shared.io.kafka import KafkaSettings, translate
+from shared.io.kafka_admin import topic_partition_count
+
+__all__ = ["DesiredProducer"]
+
+
+class DesiredProducer:
+    """An idempotent producer of one desired topic (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        topic: str,
+        row_schema: Any,
+        *,
+        previous_row_schemas: Iterable[Any] = (),
+        frontier: Frontier | None = None,
+        linger_ms: int = 5,
+        flush_timeout_s: float = 60.0,
+        producer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.rows = RowCodec(row_schema, previous=previous_row_schemas)
+        self.partitions = topic_partition_count(settings, topic)
+        self._frontier = frontier if frontier is not None else Frontier.minimum()
+        self._flush_timeout_s = flush_timeout_s
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._failures: list[KafkaError] = []
+        self.sent_updates = 0
+        self.sent_progress = 0
+        conf = settings.config(
+            **{
+                "enable.idempotence": "true",
+                "acks": "all",
+                "linger.ms": str(linger_ms),
+                **{k.replace("_", "."): v for k, v in (producer_config or {}).items()},
+            }
+        )
+        try:
+            self._producer = Producer(conf)
+        except (KafkaException, ValueError) as e:
+            raise translate(e, "creating the desired producer") from e
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def frontier(self) -> Frontier:
+        """The frontier promised so far (the minimum until the first ``advance_to``)."""
+        return self._frontier
+
+    def refresh_partitions(self) -> int:
+        """Re-read the topic's partition count (this re-partitions rows: see the module doc)."""
+        self.partitions = topic_partition_count(self._settings, self.topic)
+        return self.partitions
+
+    def partition_of(self, row_bytes: bytes) -> int:
+        """The partition of an encoded row."""
+        return row_partition(self.rows.partition_key(row_bytes), self.partitions)
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, row: Mapping[str, Any], time: int, diff: int = 1) -> int:
+        """Queue one update; returns its partition. Raises EncodeError for a row that does not
+        fit the row schema and ContractViolationError for a time below the frontier."""
+        return self.send_encoded(self.rows.encode(row), time, diff)
+
+    def send_encoded(self, row_bytes: bytes, time: int, diff: int = 1) -> int:
+        """Queue one update whose row is already single-object encoded with the row schema."""
+        if not self._frontier.beyond(time):
+            raise ContractViolationError(
+                f"expected an update at a time beyond the producer's frontier "
+                f"{_show(self._frontier)}, found time {time}",
+                time=time,
+                frontier=self._frontier.time,
+            )
+        partition = self.partition_of(row_bytes)
+        self._produce(encode_update(row_bytes, time, diff), partition)
+        self.sent_updates += 1
+        return partition
+
+    def send_many(self, updates: Iterable[tuple[Mapping[str, Any], int, int]]) -> int:
+        """Queue ``(row, time, diff)`` updates; returns how many."""
+        n = 0
+        for row, time, diff in updates:
+            self.send(row, time, diff)
+            n += 1
+        return n
+
+    def advance_to(self, t: int | None) -> Frontier:
+        """Promise no more updates at times below ``t`` (``None``: none ever again).
+
+        Flushes the updates, then sends a progress statement to every partition and flushes it
+        (see the module docstring). Advancing to the current frontier again re-sends it (a
+        heartbeat); advancing backwards raises ContractViolationError."""
+        target = Frontier.empty() if t is None else Frontier.at(t)
+        if not self._frontier.less_equal(target):
+            raise ContractViolationError(
+                f"expected a frontier at or beyond {_show(self._frontier)}, found "
+                f"{_show(target)}",
+                frontier=self._frontier.time,
+                requested=target.time,
+            )
+        self.flush()  # 1. every update acknowledged before the promise
+        for p in range(self.partitions):  # 2. the promise, in every partition
+            self._produce(encode_progress(p, target), p)
+            self.sent_progress += 1
+        self.flush()  # 3. the promise is durable
+        self._frontier = target
+        return target
+
+    def flush(self) -> None:
+        """Wait until every queued record is acknowledged; raise on any failed delivery."""
+        try:
+            left = self._producer.flush(self._flush_timeout_s)
+        except KafkaException as e:
+            raise translate(e, f"flushing to topic {self.topic!r}") from e
+        self._raise_failures()
+        if left:
+            raise KafkaTimeoutError(
+                f"expected every record on {self.topic!r} acknowledged within "
+                f"{self._flush_timeout_s}s, found {left} still in flight",
+                topic=self.topic,
+                in_flight=left,
+            )
+
+    def abort(self) -> None:
+        """Drop every record still queued or in flight and forget delivery failures (use after
+        a failure, before discarding the producer; nothing more is promised)."""
+        try:
+            self._producer.purge()
+            self._producer.flush(0)
+        except KafkaException:
+            pass
+        with self._lock:
+            self._failures = []
+
+    def close(self) -> None:
+        """Flush what is queued (raising on failures)."""
+        self.flush()
+
+    def __enter__(self) -> DesiredProducer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the error; still try to deliver what was queued
+            try:
+                self._producer.flush(self._flush_timeout_s)
+            except Exception:  # noqa: BLE001 - best effort while an error propagates
+                pass
+
+    # -- internals -----------------------------------------------------------------------
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            with self._lock:
+                self._failures.append(err)
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            first = failures[0]
+            raise KafkaDeliveryError(
+                f"expected every record on {self.topic!r} delivered, found {len(failures)} "
+                f"failed ({first.name()}: {first.str()})",
+                topic=self.topic,
+                failed=len(failures),
+                code=first.code(),
+            )
+
+    def _produce(self, value: bytes, partition: int) -> None:
+        while True:
+            try:
+                self._producer.produce(
+                    self.topic, value=value, partition=partition, on_delivery=self._on_delivery
+                )
+                break
+            except BufferError:  # the local queue is full: serve delivery reports, retry
+                self._producer.poll(0.05)
+            except KafkaException as e:
+                raise translate(e, f"producing to topic {self.topic!r}") from e
+        self._producer.poll(0)
+
+
+def _show(f: Frontier) -> str:
+    return "{}" if f.is_empty() else f"{{{f.time}}}"
