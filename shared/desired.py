@@ -34,7 +34,7 @@ from typing import Any
 
 from shared.codec import NAMESPACE, Codec, message_codec
 from shared.errors import DecodeError
-from shared.frontier import Frontier, check_time
+from shared.frontier import Frontier
 
 __all__ = [
     "row_partition",
@@ -200,14 +200,75 @@ def encode_progress(partition: int, frontier: Frontier) -> bytes:
 
 def decode_desired(data: bytes) -> DesiredUpdate | DesiredProgress:
     """Decode a desired-topic message value; :class:`~shared.errors.DecodeError` if it is not
-    one (the caller routes it to the error collection and goes on)."""
+    one (the caller routes it to the error collection and goes on).
+
+    Updates written with the current schema take a fast path (a direct read of the four
+    fields, about twice as fast as the generic reader); anything it is not sure of (another
+    writer schema, a progress statement, any irregular byte) goes through the generic codec,
+    which decides. The two agree on every input (tested by fuzzing)."""
+    fast = _fast_update(data)
+    if fast is not None:
+        return fast
     value: Any = _desired_codec().decode(data)
     kind, body = value["message"]
     if kind == _UPDATE:
         return DesiredUpdate(row=body["row"], time=body["time"], diff=body["diff"])
-    try:
-        frontier = Frontier(body["frontier"])
-        check_time(body["partition"])
-    except ValueError as e:  # a negative partition
-        raise DecodeError(f"expected a progress statement, found {e}") from e
-    return DesiredProgress(partition=body["partition"], frontier=frontier)
+    if body["partition"] < 0:
+        raise DecodeError(
+            f"expected a progress statement's partition >= 0, found {body['partition']}",
+            partition=body["partition"],
+        )
+    return DesiredProgress(partition=body["partition"], frontier=Frontier(body["frontier"]))
+
+
+_HEADER_LEN = 10
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _zigzag(data: bytes, i: int) -> tuple[int, int] | None:
+    """A zig-zag varint long at ``i``: (value, next index), or None if it is not a regular
+    one (truncated, more than 10 bytes, outside the signed 64-bit range)."""
+    acc = 0
+    shift = 0
+    n = len(data)
+    while True:
+        if i >= n or shift > 63:
+            return None
+        byte = data[i]
+        i += 1
+        acc |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            break
+        shift += 7
+    value = (acc >> 1) ^ -(acc & 1)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        return None
+    return value, i
+
+
+def _fast_update(data: bytes) -> DesiredUpdate | None:
+    """The update in ``data`` if it is a regular Update of the current schema, else None."""
+    if not isinstance(data, bytes) or data[:_HEADER_LEN] != _desired_codec()._header:
+        return None
+    r = _zigzag(data, _HEADER_LEN)
+    if r is None or r[0] != 0:  # union branch 0: Update
+        return None
+    r = _zigzag(data, r[1])
+    if r is None or r[0] < 0:
+        return None
+    length, i = r
+    end = i + length
+    if end > len(data):
+        return None
+    row = data[i:end]
+    r = _zigzag(data, end)
+    if r is None:
+        return None
+    time, i = r
+    r = _zigzag(data, i)
+    if r is None or r[1] != len(data):
+        return None
+    if time < 0:
+        time += 1 << 64  # u64 stored as two's complement
+    return DesiredUpdate(row=row, time=time, diff=r[0])

@@ -199,3 +199,96 @@ def test_the_order_of_progress_statements_does_not_change_the_result(
         b.observe_progress(p, f)
     assert a.frontier() == b.frontier()
     assert [a.progress(p) for p in range(4)] == [b.progress(p) for p in range(4)]
+
+
+# -- the messages ------------------------------------------------------------------------------
+
+from shared.codec import message_codec, tagged  # noqa: E402
+from shared.desired import (  # noqa: E402
+    DesiredProgress,
+    DesiredUpdate,
+    _fast_update,
+    decode_desired,
+    encode_progress,
+    encode_update,
+)
+from shared.errors import DecodeError  # noqa: E402
+
+
+def generic(data: bytes) -> DesiredUpdate | DesiredProgress:
+    """decode_desired without its fast path."""
+    kind, body = message_codec("desired").decode(data)["message"]
+    if kind.endswith("Update"):
+        return DesiredUpdate(body["row"], body["time"], body["diff"])
+    if body["partition"] < 0:
+        raise DecodeError("negative partition")
+    return DesiredProgress(body["partition"], Frontier(body["frontier"]))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        DesiredUpdate(b"\xc3\x01row", 5, 1),
+        DesiredUpdate(b"", 0, -1),
+        DesiredUpdate(b"x" * 300, 2**64 - 1, -(2**63)),
+        DesiredUpdate(b"r", 2**63, 2**63 - 1),
+        DesiredProgress(3, Frontier.at(9)),
+        DesiredProgress(0, Frontier.empty()),
+    ],
+)
+def test_desired_messages_round_trip(message: DesiredUpdate | DesiredProgress) -> None:
+    if isinstance(message, DesiredUpdate):
+        data = encode_update(message.row, message.time, message.diff)
+        assert _fast_update(data) == message
+    else:
+        data = encode_progress(message.partition, message.frontier)
+        assert _fast_update(data) is None
+    assert decode_desired(data) == message == generic(data)
+
+
+def test_a_negative_progress_partition_is_a_decode_error() -> None:
+    data = message_codec("desired").encode(
+        {"message": tagged("Progress", {"partition": -1, "frontier": 3})}
+    )
+    with pytest.raises(DecodeError, match="partition >= 0, found -1"):
+        decode_desired(data)
+
+
+_VALID = [
+    encode_update(b"\xc3\x01" + bytes(8) + b"\x02abc", 1_700_000_000_000, 1),
+    encode_update(b"", 2**64 - 1, -5),
+    encode_progress(1, Frontier.at(7)),
+]
+
+
+@st.composite
+def desired_bytes(draw: st.DrawFn) -> bytes:
+    base = bytearray(draw(st.sampled_from(_VALID)))
+    if draw(st.booleans()):
+        return bytes(base[:10]) + draw(st.binary(max_size=40))
+    for _ in range(draw(st.integers(1, 3))):
+        i = draw(st.integers(0, len(base) - 1))
+        op = draw(st.sampled_from(["set", "insert", "delete"]))
+        if op == "set":
+            base[i] = draw(st.integers(0, 255))
+        elif op == "insert":
+            base.insert(i, draw(st.integers(0, 255)))
+        elif len(base) > 1:
+            del base[i]
+    return bytes(base)
+
+
+@settings(max_examples=800, deadline=None)
+@given(desired_bytes())
+def test_the_fast_path_agrees_with_the_generic_reader_on_any_bytes(data: bytes) -> None:
+    fast = _fast_update(data)
+    try:
+        expected = generic(data)
+    except DecodeError:
+        assert fast is None
+        with pytest.raises(DecodeError):
+            decode_desired(data)
+        return
+    if fast is not None:
+        assert fast == expected
+    assert decode_desired(data) == expected
