@@ -150,7 +150,7 @@ class KafkaSettings:
         """A confluent-kafka client config: defaults, then ``extra``, then the pass-through
         options (so that a user's option wins over our defaults)."""
         conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, **_QUIET}
-        conf.update({k.replace("_", "."): v for k, v in extra.items()})
+        conf.update(extra)
         conf.update(dict(self.options))
         return conf
 
@@ -191,7 +191,7 @@ def translate(e: BaseException, what: str) -> KafkaAdapterError:
                     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION):
             return KafkaUnavailableError(msg, code=code)
         return KafkaAdapterError(msg, code=code)
-    if isinstance(e, ValueError):  # confluent_kafka raises ValueError for bad configs
+    if isinstance(e, (ValueError, TypeError)):  # confluent_kafka's errors for bad configs
         return KafkaConfigError(f"{what}: expected a valid client config, found: {e}")
     return KafkaAdapterError(f"{what}: expected success, found {type(e).__name__}: {e}")
 
@@ -210,7 +210,7 @@ def new_consumer(settings: KafkaSettings, **extra: Any) -> Consumer:
     )
     try:
         return Consumer(conf)
-    except (KafkaException, ValueError) as e:
+    except (KafkaException, ValueError, TypeError) as e:
         raise translate(e, "creating a Kafka consumer") from e
 
 

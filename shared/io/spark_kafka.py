@@ -648,13 +648,13 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
                 "enable.idempotence": "true",
                 "acks": "all",
                 "linger.ms": "5",
-                "delivery.report.only.error": "true",
+                "delivery.report.only.error": True,
                 "on_delivery": on_delivery,
             }
         )
         try:
             producer = Producer(conf)
-        except (KafkaException, ValueError) as e:
+        except (KafkaException, ValueError, TypeError) as e:
             raise translate(e, "creating a Kafka producer") from e
         idh = o.id_header
         seq = 0
