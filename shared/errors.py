@@ -167,3 +167,10 @@ class ContractViolationError(ShardsinkError):
 
 class CommandError(ShardsinkError):
     """A controller command was rejected; ``kind`` names the typed error in the response."""
+
+
+class SinkProtocolError(ShardsinkError):
+    """A message or call breaks the mint / write / append protocol (shared.sink_state): two
+    descriptions with the same lower and epoch, a read-back batch that leaves a gap, a report
+    whose partition count disagrees with its description, an absorb while an append is in
+    flight. A bug or a misconfiguration, never a race: races are handled, not raised."""
