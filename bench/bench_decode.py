@@ -21,10 +21,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fastavro  # noqa: E402
+import fastavro
 
-from shared.codec import RowCodec, message_codec  # noqa: E402
-from shared.desired import DesiredUpdate, decode_desired, encode_update  # noqa: E402
+from shared.codec import RowCodec, message_codec
+from shared.desired import DesiredUpdate, decode_desired, encode_update
 
 ROW_SCHEMA: dict[str, Any] = {
     "type": "record",
@@ -45,7 +45,12 @@ def _messages(n: int) -> tuple[RowCodec, list[bytes]]:
     encoded = [
         encode_update(
             rows.encode(
-                {"id": i, "customer": f"customer-{i % 997}", "amount_cents": i * 37, "status": "open"}
+                {
+                    "id": i,
+                    "customer": f"customer-{i % 997}",
+                    "amount_cents": i * 37,
+                    "status": "open",
+                }
             ),
             1_700_000_000_000 + i,
             1 if i % 3 else -1,

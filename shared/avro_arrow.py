@@ -59,10 +59,10 @@ from shared.errors import EncodeError, SchemaError
 
 __all__ = [
     "RESERVED_FIELDS",
-    "parse_row_schema",
-    "avro_to_arrow_schema",
-    "rows_to_arrow",
     "arrow_to_rows",
+    "avro_to_arrow_schema",
+    "parse_row_schema",
+    "rows_to_arrow",
 ]
 
 #: Top-level column names the shard uses for itself; a row schema may not use them.
@@ -272,7 +272,7 @@ def _fixed_max_precision(size: int) -> int:
         return 0
     import math
 
-    return int(math.floor(math.log10(2 ** (8 * size - 1) - 1)))
+    return math.floor(math.log10(2 ** (8 * size - 1) - 1))
 
 
 def _decimal_type(avro: Mapping[str, Any], max_precision: int) -> pa.DataType | None:

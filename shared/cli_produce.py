@@ -21,6 +21,7 @@ variables, and ``--kafka-option name=value``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -38,7 +39,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--topic", required=True, help="the desired topic")
     p.add_argument("--schema", required=True, help="the row schema, an Avro record .avsc file")
-    p.add_argument("--bootstrap", default=None, help="host:port (default $SHARDSINK_KAFKA_BOOTSTRAP)")
+    p.add_argument(
+        "--bootstrap", default=None, help="host:port (default $SHARDSINK_KAFKA_BOOTSTRAP)"
+    )
     p.add_argument("--input", default="-", help="JSON lines file (default stdin)")
     p.add_argument(
         "--partitions", type=int, default=None, help="create the topic with N partitions if missing"
@@ -62,19 +65,27 @@ def parse_lines(lines: Iterable[str]) -> Iterator[tuple[str, Any]]:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise EncodeError(f"expected a JSON object on line {n}, found invalid JSON ({e.msg})", line=n) from e
+            raise EncodeError(
+                f"expected a JSON object on line {n}, found invalid JSON ({e.msg})", line=n
+            ) from e
         if isinstance(obj, dict) and set(obj) == {"progress"}:
             t = obj["progress"]
             if t is not None and (isinstance(t, bool) or not isinstance(t, int)):
-                raise EncodeError(f"expected an integer time or null progress on line {n}, found {t!r}", line=n)
+                raise EncodeError(
+                    f"expected an integer time or null progress on line {n}, found {t!r}", line=n
+                )
             yield "progress", t
         elif isinstance(obj, dict) and {"row", "time"} <= set(obj) <= {"row", "time", "diff"}:
             time, diff = obj["time"], obj.get("diff", 1)
             for name, v in (("time", time), ("diff", diff)):
                 if isinstance(v, bool) or not isinstance(v, int):
-                    raise EncodeError(f"expected an integer {name} on line {n}, found {v!r}", line=n)
+                    raise EncodeError(
+                        f"expected an integer {name} on line {n}, found {v!r}", line=n
+                    )
             if not isinstance(obj["row"], dict):
-                raise EncodeError(f"expected a JSON object as the row on line {n}, found {obj['row']!r}", line=n)
+                raise EncodeError(
+                    f"expected a JSON object as the row on line {n}, found {obj['row']!r}", line=n
+                )
             yield "update", (obj["row"], time, diff)
         else:
             raise EncodeError(
@@ -85,12 +96,12 @@ def parse_lines(lines: Iterable[str]) -> Iterator[tuple[str, Any]]:
 
 
 def _produce(args: argparse.Namespace) -> int:
+    import os
+
     from shared.cli import print_json
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka import KafkaSettings, env_options
     from shared.io.kafka_admin import ensure_topic
-
-    import os
 
     options = env_options(os.environ)
     for item in args.kafka_option:
@@ -104,18 +115,19 @@ def _produce(args: argparse.Namespace) -> int:
         schema = f.read()
     if args.partitions is not None:
         ensure_topic(settings, args.topic, args.partitions)
-    stream: IO[str] = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    try:
-        with DesiredProducer(settings, args.topic, schema) as producer:
-            for kind, payload in parse_lines(stream):
-                if kind == "update":
-                    row, time, diff = payload
-                    producer.send(row, time, diff)
-                else:
-                    producer.advance_to(payload)
-    finally:
-        if stream is not sys.stdin:
-            stream.close()
+    with contextlib.ExitStack() as stack:
+        stream: IO[str] = (
+            sys.stdin
+            if args.input == "-"
+            else stack.enter_context(open(args.input, encoding="utf-8"))
+        )
+        producer = stack.enter_context(DesiredProducer(settings, args.topic, schema))
+        for kind, payload in parse_lines(stream):
+            if kind == "update":
+                row, time, diff = payload
+                producer.send(row, time, diff)
+            else:
+                producer.advance_to(payload)
     print_json(
         {
             "topic": args.topic,

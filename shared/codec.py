@@ -62,7 +62,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -75,22 +75,22 @@ from shared.avro_arrow import parse_row_schema
 from shared.errors import CodecError, DecodeError, EncodeError, SchemaError, SchemaRegistryError
 
 __all__ = [
-    "NAMESPACE",
     "MARKER",
+    "NAMESPACE",
     "SCHEMA_NAMES",
     "Codec",
+    "InMemorySchemaRegistry",
     "RowCodec",
     "SchemaRegistry",
-    "InMemorySchemaRegistry",
     "SchemaRegistryError",
+    "canonical_form",
     "crc64_avro",
     "fingerprint",
-    "canonical_form",
+    "kind_of",
     "load_schema",
     "message_codec",
-    "tagged",
-    "kind_of",
     "schemas_dir",
+    "tagged",
 ]
 
 NAMESPACE = "io.shardsink.v1"
@@ -508,7 +508,7 @@ def _map_sorter(avro: Any, named: dict[str, Any]) -> Callable[[Any], Any] | None
                 return v
             return {
                 k: (inner_v(v[k]) if inner_v is not None else v[k])
-                for k in sorted(v, key=lambda k: (str(k).encode("utf-8")))
+                for k in sorted(v, key=lambda k: str(k).encode("utf-8"))
             }
 
         return sort_map
@@ -600,7 +600,7 @@ def previous_schemas(name: str) -> list[dict[str, Any]]:
     return [s for _, s in sorted(found, key=lambda vs: vs[0])]
 
 
-@lru_cache(maxsize=None)
+@cache
 def message_codec(name: str) -> Codec:
     """The codec of one topic's messages (current schema plus its previous versions)."""
     return Codec(load_schema(name), previous=previous_schemas(name))

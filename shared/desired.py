@@ -37,14 +37,14 @@ from shared.errors import DecodeError
 from shared.frontier import Frontier
 
 __all__ = [
-    "row_partition",
     "ContractViolation",
     "DesiredFrontierTracker",
-    "DesiredUpdate",
     "DesiredProgress",
-    "encode_update",
-    "encode_progress",
+    "DesiredUpdate",
     "decode_desired",
+    "encode_progress",
+    "encode_update",
+    "row_partition",
 ]
 
 
@@ -186,9 +186,7 @@ class DesiredProgress:
 
 def encode_update(row: bytes, time: int, diff: int) -> bytes:
     """A desired-topic message value (single-object encoded ``DesiredMessage``)."""
-    return _desired_codec().encode(
-        {"message": (_UPDATE, {"row": row, "time": time, "diff": diff})}
-    )
+    return _desired_codec().encode({"message": (_UPDATE, {"row": row, "time": time, "diff": diff})})
 
 
 def encode_progress(partition: int, frontier: Frontier) -> bytes:

@@ -23,7 +23,7 @@ from shared.avro_arrow import (
 )
 from shared.errors import CodecError, EncodeError, SchemaError
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 
 EVERYTHING: dict[str, Any] = {
     "type": "record",
@@ -116,16 +116,12 @@ EXPECTED_ARROW = pa.schema(
         ),
         pa.field(
             "rec",
-            pa.struct(
-                [pa.field("x", pa.int32(), nullable=False), pa.field("y", pa.string())]
-            ),
+            pa.struct([pa.field("x", pa.int32(), nullable=False), pa.field("y", pa.string())]),
             nullable=False,
         ),
         pa.field(
             "rec2",
-            pa.struct(
-                [pa.field("x", pa.int32(), nullable=False), pa.field("y", pa.string())]
-            ),
+            pa.struct([pa.field("x", pa.int32(), nullable=False), pa.field("y", pa.string())]),
             nullable=True,
         ),
         pa.field("color2", pa.string(), nullable=False),
@@ -320,7 +316,10 @@ SIMPLE = {
         {"name": "v", "type": ["null", "string"]},
         {
             "name": "r",
-            "type": ["null", {"type": "record", "name": "I", "fields": [{"name": "x", "type": "int"}]}],
+            "type": [
+                "null",
+                {"type": "record", "name": "I", "fields": [{"name": "x", "type": "int"}]},
+            ],
         },
         {"name": "a", "type": {"type": "array", "items": "long"}, "default": []},
     ],

@@ -203,8 +203,8 @@ def test_the_order_of_progress_statements_does_not_change_the_result(
 
 # -- the messages ------------------------------------------------------------------------------
 
-from shared.codec import message_codec, tagged  # noqa: E402
-from shared.desired import (  # noqa: E402
+from shared.codec import message_codec, tagged
+from shared.desired import (
     DesiredProgress,
     DesiredUpdate,
     _fast_update,
@@ -212,7 +212,7 @@ from shared.desired import (  # noqa: E402
     encode_progress,
     encode_update,
 )
-from shared.errors import DecodeError  # noqa: E402
+from shared.errors import DecodeError
 
 
 def generic(data: bytes) -> DesiredUpdate | DesiredProgress:

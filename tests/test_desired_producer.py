@@ -43,7 +43,9 @@ def settings(stack: EmbeddedStack) -> KafkaSettings:
     return KafkaSettings.of(stack.bootstrap_servers)
 
 
-def read_all(settings: KafkaSettings, topic: str, partitions: int, expected: int) -> dict[int, list[bytes]]:
+def read_all(
+    settings: KafkaSettings, topic: str, partitions: int, expected: int
+) -> dict[int, list[bytes]]:
     """Every record of the topic, per partition in offset order (polls until ``expected``)."""
     consumer = new_consumer(settings, **{"auto.offset.reset": "earliest"})
     try:
@@ -101,7 +103,10 @@ def test_updates_land_in_their_row_hash_partition_and_progress_reaches_every_par
         messages = [decode_desired(v) for v in values]
         # per partition: the updates, Progress(12), the retraction if it hashed here, Progress({})
         progress = [m for m in messages if isinstance(m, DesiredProgress)]
-        assert progress == [DesiredProgress(p, Frontier.at(12)), DesiredProgress(p, Frontier.empty())]
+        assert progress == [
+            DesiredProgress(p, Frontier.at(12)),
+            DesiredProgress(p, Frontier.empty()),
+        ]
         first_progress = messages.index(progress[0])
         for i, m in enumerate(messages):
             if isinstance(m, DesiredUpdate):
@@ -114,10 +119,12 @@ def test_updates_land_in_their_row_hash_partition_and_progress_reaches_every_par
     assert tracker.frontier() == Frontier.empty()
     assert tracker.violations == 0
     expected = [(r, 10 + i // 100, 1) for i, r in enumerate(rows)] + [(rows[0], 12, -1)]
-    key = lambda u: (u[0]["id"], u[1], u[2])  # noqa: E731
+    key = lambda u: (u[0]["id"], u[1], u[2])
     assert sorted(decoded_rows, key=key) == sorted(expected, key=key)
     # every partition received some rows (200 rows over 4 partitions)
-    assert all(any(isinstance(decode_desired(v), DesiredUpdate) for v in vs) for vs in records.values())
+    assert all(
+        any(isinstance(decode_desired(v), DesiredUpdate) for v in vs) for vs in records.values()
+    )
 
 
 def test_the_producer_never_breaks_its_own_promise(settings: KafkaSettings, unique_id: str) -> None:
@@ -125,7 +132,9 @@ def test_the_producer_never_breaks_its_own_promise(settings: KafkaSettings, uniq
     ensure_topic(settings, topic, 2)
     with DesiredProducer(settings, topic, ROW_SCHEMA) as producer:
         producer.advance_to(5)
-        with pytest.raises(ContractViolationError, match=r"beyond the producer's frontier \{5\}, found time 4"):
+        with pytest.raises(
+            ContractViolationError, match=r"beyond the producer's frontier \{5\}, found time 4"
+        ):
             producer.send({"id": 1, "customer": "a"}, time=4)
         with pytest.raises(ContractViolationError, match=r"at or beyond \{5\}, found \{3\}"):
             producer.advance_to(3)
@@ -152,7 +161,11 @@ def test_a_failed_delivery_raises_and_no_progress_is_promised(
     assert producer.frontier == Frontier.minimum()
     producer.abort()
     producer.close()  # nothing left to deliver, no failure left to report
-    delivered = sum(1 for i in range(16) if producer.partition_of(producer.rows.encode({"id": i, "customer": "x"})) == 0)
+    delivered = sum(
+        1
+        for i in range(16)
+        if producer.partition_of(producer.rows.encode({"id": i, "customer": "x"})) == 0
+    )
     records = read_all(settings, topic, 1, expected=delivered)
     assert all(isinstance(decode_desired(v), DesiredUpdate) for v in records[0])
 
@@ -178,14 +191,30 @@ def test_shardsink_produce_reads_json_lines(
     )
     rc = main(
         [
-            "produce", "--topic", topic, "--schema", str(schema), "--input", str(lines),
-            "--bootstrap", settings.bootstrap, "--partitions", "2",
-            "--kafka-option", "client.id=test-produce",
+            "produce",
+            "--topic",
+            topic,
+            "--schema",
+            str(schema),
+            "--input",
+            str(lines),
+            "--bootstrap",
+            settings.bootstrap,
+            "--partitions",
+            "2",
+            "--kafka-option",
+            "client.id=test-produce",
         ]
     )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary == {"topic": topic, "partitions": 2, "updates": 3, "progress": 4, "frontier": None}
+    assert summary == {
+        "topic": topic,
+        "partitions": 2,
+        "updates": 3,
+        "progress": 4,
+        "frontier": None,
+    }
     records = read_all(settings, topic, 2, expected=7)
     codec = RowCodec(ROW_SCHEMA)
     updates = sorted(
@@ -206,7 +235,9 @@ def test_shardsink_produce_reads_json_lines(
         ('{"rows": []}', "expected .*row.* on line 1"),
     ],
 )
-def test_shardsink_produce_rejects_bad_lines_with_their_line_number(line: str, message: str) -> None:
+def test_shardsink_produce_rejects_bad_lines_with_their_line_number(
+    line: str, message: str
+) -> None:
     from shared.cli_produce import parse_lines
 
     with pytest.raises(EncodeError, match=message):

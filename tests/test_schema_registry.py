@@ -7,7 +7,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -17,8 +17,8 @@ from shared.io.schema_registry import HttpSchemaRegistry, configured_message_cod
 
 
 class _Registry(BaseHTTPRequestHandler):
-    schemas: list[str] = []
-    requests: list[tuple[str, str, str | None]] = []
+    schemas: ClassVar[list[str]] = []
+    requests: ClassVar[list[tuple[str, str, str | None]]] = []
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -31,7 +31,7 @@ class _Registry(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         length = int(self.headers["Content-Length"])
         body = json.loads(self.rfile.read(length))
         self.requests.append(("POST", self.path, self.headers.get("Authorization")))
@@ -43,11 +43,11 @@ class _Registry(BaseHTTPRequestHandler):
             self.schemas.append(text)
         self._answer(200, {"id": self.schemas.index(text) + 1})
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self.requests.append(("GET", self.path, self.headers.get("Authorization")))
         prefix = "/schemas/ids/"
         if self.path.startswith(prefix):
-            i = int(self.path[len(prefix):])
+            i = int(self.path[len(prefix) :])
             if 1 <= i <= len(self.schemas):
                 self._answer(200, {"schema": self.schemas[i - 1]})
                 return
@@ -76,9 +76,14 @@ def test_confluent_messages_round_trip_through_an_http_registry(registry_url: st
     value = {"shard_id": "x", "sink_id": None, "upper": 3, "desc_token": None, "updated_at_ms": 1}
     data = producer.encode(value)
     assert data[:5] == b"\x00\x00\x00\x00\x01"
-    assert _Registry.requests[0][:2] == ("POST", "/subjects/io.shardsink.v1.FrontierUpdate-value/versions")
+    assert _Registry.requests[0][:2] == (
+        "POST",
+        "/subjects/io.shardsink.v1.FrontierUpdate-value/versions",
+    )
     # a consumer in another process knows nothing but the URL: it fetches the schema by id
-    consumer = configured_message_codec("frontier_update", {"SHARDSINK_SCHEMA_REGISTRY_URL": registry_url})
+    consumer = configured_message_codec(
+        "frontier_update", {"SHARDSINK_SCHEMA_REGISTRY_URL": registry_url}
+    )
     assert consumer.wire == "single-object"
     assert consumer.decode(data) == value
     assert consumer.decode(consumer.encode(value)) == value
@@ -95,7 +100,10 @@ def test_an_unknown_id_is_a_decode_error_and_an_unreachable_registry_a_registry_
     codec = Codec(load_schema("frontier_update"), registry=HttpSchemaRegistry(registry_url))
     with pytest.raises(DecodeError, match="schema id known to the registry, found 42"):
         codec.decode(b"\x00\x00\x00\x00\x2a\x02")
-    dead = Codec(load_schema("frontier_update"), registry=HttpSchemaRegistry("http://127.0.0.1:9", timeout_s=1))
+    dead = Codec(
+        load_schema("frontier_update"),
+        registry=HttpSchemaRegistry("http://127.0.0.1:9", timeout_s=1),
+    )
     with pytest.raises(SchemaRegistryError, match="expected the registry"):
         dead.decode(b"\x00\x00\x00\x00\x01\x02")
 

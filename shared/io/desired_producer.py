@@ -32,10 +32,11 @@ silently (``refresh_partitions()`` does it on request).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -139,8 +140,7 @@ class DesiredProducer:
         target = Frontier.empty() if t is None else Frontier.at(t)
         if not self._frontier.less_equal(target):
             raise ContractViolationError(
-                f"expected a frontier at or beyond {_show(self._frontier)}, found "
-                f"{_show(target)}",
+                f"expected a frontier at or beyond {_show(self._frontier)}, found {_show(target)}",
                 frontier=self._frontier.time,
                 requested=target.time,
             )
@@ -182,7 +182,7 @@ class DesiredProducer:
         """Flush what is queued (raising on failures)."""
         self.flush()
 
-    def __enter__(self) -> DesiredProducer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -194,10 +194,8 @@ class DesiredProducer:
         if exc_type is None:
             self.close()
         else:  # do not mask the error; still try to deliver what was queued
-            try:
+            with contextlib.suppress(Exception):  # best effort while an error propagates
                 self._producer.flush(self._flush_timeout_s)
-            except Exception:  # noqa: BLE001 - best effort while an error propagates
-                pass
 
     # -- internals -----------------------------------------------------------------------
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:

@@ -15,12 +15,16 @@ import time
 from collections.abc import Mapping
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    NewPartitions,
+    NewTopic,
+)
 
 from shared.errors import KafkaTimeoutError, UnknownTopicError
 from shared.io.kafka import KafkaSettings, translate
 
-__all__ = ["ensure_topic", "grow_topic", "topic_partition_count", "admin_client"]
+__all__ = ["admin_client", "ensure_topic", "grow_topic", "topic_partition_count"]
 
 
 def admin_client(settings: KafkaSettings) -> AdminClient:
@@ -42,9 +46,7 @@ def topic_partition_count(
     t = md.topics.get(topic)
     if t is None or t.error is not None or not t.partitions:
         found = "no such topic" if t is None or t.error is None else t.error.str()
-        raise UnknownTopicError(
-            f"expected topic {topic!r} to exist, found {found}", topic=topic
-        )
+        raise UnknownTopicError(f"expected topic {topic!r} to exist, found {found}", topic=topic)
     return len(t.partitions)
 
 
@@ -114,7 +116,8 @@ def grow_topic(
         return topic_partition_count(admin, topic, timeout_s)
     try:
         futures = admin.create_partitions(
-            [NewPartitions(topic, partitions)], operation_timeout=timeout_s,
+            [NewPartitions(topic, partitions)],
+            operation_timeout=timeout_s,
             request_timeout=timeout_s,
         )
         futures[topic].result(timeout=timeout_s)

@@ -31,7 +31,7 @@ from typing import Any
 from shared.codec import Codec, load_schema, previous_schemas
 from shared.errors import SchemaRegistryError
 
-__all__ = ["HttpSchemaRegistry", "registry_from_env", "configured_message_codec"]
+__all__ = ["HttpSchemaRegistry", "configured_message_codec", "registry_from_env"]
 
 _CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 
@@ -40,7 +40,11 @@ class HttpSchemaRegistry:
     """The registry at ``url`` (answers are cached: ids and schemas never change)."""
 
     def __init__(
-        self, url: str, *, user: str | None = None, password: str | None = None,
+        self,
+        url: str,
+        *,
+        user: str | None = None,
+        password: str | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         if not url.startswith(("http://", "https://")):
@@ -102,13 +106,12 @@ class HttpSchemaRegistry:
             schema = json.loads(answer["schema"])
         except (TypeError, KeyError, ValueError) as e:
             raise SchemaRegistryError(
-                f"GET /schemas/ids/{schema_id}: expected {{'schema': JSON text}}, found "
-                f"{answer!r}"
+                f"GET /schemas/ids/{schema_id}: expected {{'schema': JSON text}}, found {answer!r}"
             ) from e
-        if answer.get("schemaType", "AVRO") != "AVRO" or not isinstance(schema, (dict, list, str)):
-            return None  # a Protobuf or JSON schema id: not one of ours
+        if answer.get("schemaType", "AVRO") != "AVRO" or not isinstance(schema, dict):
+            return None  # a Protobuf or JSON schema id, or not a record: not one of ours
         self._schemas[schema_id] = schema
-        return schema  # type: ignore[return-value]
+        return schema
 
 
 def registry_from_env(environ: Mapping[str, str] | None = None) -> HttpSchemaRegistry | None:
