@@ -50,6 +50,7 @@ import copy
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import fastavro
@@ -389,6 +390,27 @@ def _check_non_nullable(array: pa.Array, field: pa.Field, where: str) -> None:
         _check_non_nullable(array.items, t.item_field, f"{where}{{}}")
 
 
+def _schema_key(schema: AvroSchema) -> str:
+    if isinstance(schema, str):
+        return schema
+    try:
+        return json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise SchemaError(f"expected an Avro schema made of JSON values, found: {e}") from e
+
+
+@lru_cache(maxsize=256)
+def _compiled(
+    key: str,
+) -> tuple[pa.Schema, frozenset[str], frozenset[str], _Conv | None]:
+    """What rows_to_arrow needs of a schema, computed once per schema text."""
+    parsed = _parse_any(key)
+    arrow_schema = avro_to_arrow_schema(parsed)
+    names = frozenset(arrow_schema.names)
+    required = frozenset(f.name for f in arrow_schema if not f.nullable)
+    return arrow_schema, names, required, _uuid_converter(parsed, {})
+
+
 def rows_to_arrow(rows: Sequence[Mapping[str, Any]], schema: AvroSchema) -> pa.Table:
     """Rows (dicts, as fastavro reads them) -> an Arrow table of :func:`avro_to_arrow_schema`.
 
@@ -396,14 +418,10 @@ def rows_to_arrow(rows: Sequence[Mapping[str, Any]], schema: AvroSchema) -> pa.T
     Raises :class:`~shared.errors.EncodeError` for a row that does not fit: an unknown or
     missing field, a value of the wrong type or out of range, a null in a non-nullable field.
     """
-    parsed = _parse_any(schema)
-    arrow_schema = avro_to_arrow_schema(parsed)
-    names = set(arrow_schema.names)
-    required = {f.name for f in arrow_schema if not f.nullable}
-    conv = _uuid_converter(parsed, {})
+    arrow_schema, names, required, conv = _compiled(_schema_key(schema))
     prepared: list[Any] = []
     for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
+        if type(row) is not dict and not isinstance(row, Mapping):
             raise EncodeError(
                 f"expected row {i} to be a mapping of field names to values, "
                 f"found {type(row).__name__}",
