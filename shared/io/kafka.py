@@ -54,7 +54,8 @@ from types import TracebackType
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
 from shared.errors import (
     KafkaAdapterError,
@@ -298,7 +299,7 @@ class OffsetProbe:
     def watermarks(self, tps: Iterable[tuple[str, int]], earliest: bool = False) -> dict[tuple[str, int], int]:
         """ListOffsets (latest, or earliest) for many partitions in one request. Latest
         under-reports on Tansu: use :meth:`end_offsets` for the end."""
-        spec = OffsetSpec.earliest() if earliest else OffsetSpec.latest()
+        spec = OffsetSpec.earliest() if earliest else OffsetSpec.latest()  # type: ignore[no-untyped-call]
         req = {TopicPartition(t, p): spec for t, p in tps}
         if not req:
             return {}
@@ -364,12 +365,13 @@ class OffsetProbe:
                         partitions=sorted(pending),
                     )
                 for m in c.consume(num_messages=10_000, timeout=min(left, 0.02)):
-                    tp = (m.topic(), m.partition())
+                    tp = (str(m.topic()), int(m.partition() or 0))
+                    off = int(m.offset() or 0)
                     err = m.error()
                     if err is None:
-                        found[tp] = max(found[tp], m.offset() + 1)
+                        found[tp] = max(found[tp], off + 1)
                     elif err.code() == KafkaError._PARTITION_EOF:
-                        found[tp] = max(found[tp], m.offset())
+                        found[tp] = max(found[tp], off)
                         pending.discard(tp)
                     elif err.code() == KafkaError._AUTO_OFFSET_RESET:
                         # watermark - 1 below the log start: the partition is empty of

@@ -113,7 +113,7 @@ from shared.io.kafka import KafkaSettings, OffsetProbe, new_consumer, translate
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
-    from pyspark.sql.streaming import DataStreamWriter
+    from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 SOURCE_NAME = "shardsink-kafka"
 #: Header carrying the sink's message id (see the module docstring).
@@ -407,7 +407,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             p.close()
 
     # -- executor side -----------------------------------------------------------------------
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaInputPartition)
         o = self.options
         return read_range(
@@ -515,7 +515,7 @@ def read_range(
                 if err is not None:
                     code = err.code()
                     if code == KafkaError._PARTITION_EOF:
-                        if m.offset() >= end:
+                        if int(m.offset() or 0) >= end:
                             done = True
                             break
                         continue
@@ -526,7 +526,7 @@ def read_range(
                             topic=topic, partition=partition, start=start, end=end,
                         )
                     raise translate(KafkaException(err), f"reading {topic}/{partition}")
-                off = m.offset()
+                off = int(m.offset() or 0)
                 if off >= end:
                     done = True
                     break
@@ -627,7 +627,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         _check_sink_schema(schema, options)
         self.options = options
 
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:  # type: ignore[override]
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         from confluent_kafka import KafkaException, Producer
         from pyspark import TaskContext
 
