@@ -169,7 +169,7 @@ def measure_hydration_ratio(n_rows: int, seed: int = 7) -> dict[str, Any]:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 500_000
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
     result = measure_hydration_ratio(n)
     print(json.dumps(result))
 

@@ -231,8 +231,8 @@ class Correction:
         n = len(k)
         if n == 0:
             return
-        t = _as_times(times, n)
-        d = _as_diffs(diffs, n)
+        t = as_times(times, n)
+        d = as_diffs(diffs, n)
         if negate:
             d = np.negative(d)
         self._stage.append((k, t, d))
@@ -570,7 +570,7 @@ def _as_binary(keys: Keys) -> pa.Array:
         raise InvalidUsageError(f"expected a sequence of bytes keys, found: {e}") from e
 
 
-def _as_times(times: TimesLike, n: int) -> npt.NDArray[np.uint64]:
+def as_times(times: TimesLike, n: int) -> npt.NDArray[np.uint64]:
     if isinstance(times, bool):
         raise InvalidUsageError(f"expected times, found {times!r}")
     if isinstance(times, (int, np.integer)):
@@ -594,7 +594,7 @@ def _as_times(times: TimesLike, n: int) -> npt.NDArray[np.uint64]:
     return arr
 
 
-def _as_diffs(diffs: DiffsLike, n: int) -> npt.NDArray[np.int64]:
+def as_diffs(diffs: DiffsLike, n: int) -> npt.NDArray[np.int64]:
     if isinstance(diffs, bool):
         raise InvalidUsageError(f"expected diffs, found {diffs!r}")
     if isinstance(diffs, (int, np.integer)):

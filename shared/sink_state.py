@@ -49,7 +49,15 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from shared.correction import ConsolidatedUpdates, Correction, Keys, TimesLike
+from shared.correction import (
+    ConsolidatedUpdates,
+    Correction,
+    DiffsLike,
+    Keys,
+    TimesLike,
+    as_diffs,
+    as_times,
+)
 from shared.desired import DesiredFrontierTracker, row_partition
 from shared.errors import InvalidUsageError, SinkProtocolError
 from shared.frontier import Frontier
@@ -453,7 +461,7 @@ class WriteState:
         """This partition's progress statement (regressions are ignored)."""
         self.desired_frontier = self.desired_frontier.join(as_frontier(frontier))
 
-    def absorb_desired_updates(self, keys: Keys, times: TimesLike, diffs: npt.ArrayLike = 1) -> int:
+    def absorb_desired_updates(self, keys: Keys, times: TimesLike, diffs: DiffsLike = 1) -> int:
         """Insert desired updates. Updates below this partition's progress break the
         contract: each goes to the error collection at its time instead. Returns the number
         of violations."""
@@ -461,17 +469,15 @@ class WriteState:
         n = len(k)
         if n == 0:
             return 0
-        t = np.asarray(times, dtype=np.uint64) if not isinstance(times, int) else None
-        if t is None:
-            t = np.full(n, times, dtype=np.uint64)
-        d = np.broadcast_to(np.asarray(diffs, dtype=np.int64), (n,))
+        t = as_times(times, n)
+        d = as_diffs(diffs, n)
         f = self.desired_frontier
         if f.time is None:
             bad = np.ones(n, dtype=bool)
         else:
             bad = t < np.uint64(f.time)
         if not bad.any():
-            self.correction.insert(k, t, np.ascontiguousarray(d))
+            self.correction.insert(k, t, d)
             return 0
         good = np.flatnonzero(~bad)
         if len(good):
