@@ -191,6 +191,8 @@ class Supervisor:
     name: str
     settings: ServiceSettings
     start_query: Callable[[SinkDef], Any]
+    #: Called when a running sink's definition changes in place (read-only -> writable).
+    on_change: Callable[[SinkDef], None] | None = None
     running: dict[str, SinkRunner] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -205,6 +207,10 @@ class Supervisor:
         }
         for sink_id, runner in list(self.running.items()):
             want = wanted.get(sink_id)
+            if want is not None and want.epoch == runner.sink.epoch and want != runner.sink:
+                runner.sink = want
+                if self.on_change is not None:
+                    self.on_change(want)
             failed = runner.query is not None and not runner.query.isActive
             if want is None or want.epoch != runner.sink.epoch or failed:
                 if failed:
@@ -215,8 +221,11 @@ class Supervisor:
                 del self.running[sink_id]
         for sink_id, sink in wanted.items():
             if sink_id not in self.running:
-                log.info("starting %s for sink", self.name, extra={"sink_id": sink_id})
-                self.running[sink_id] = SinkRunner(sink, self.start_query(sink))
+                query = self.start_query(sink)
+                if query is None:
+                    continue  # not startable yet (e.g. its desired topic does not exist): retry
+                log.info("started %s for sink", self.name, extra={"sink_id": sink_id})
+                self.running[sink_id] = SinkRunner(sink, query)
 
     def _stop_runner(self, runner: SinkRunner) -> None:
         try:

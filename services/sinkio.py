@@ -46,12 +46,23 @@ def _signed(t: int) -> int:
     return t - 2**64 if t >= 2**63 else t
 
 
-def decode_partition(desired_topic: str) -> Any:
-    """A ``mapInArrow`` function decoding desired messages of ``desired_topic``."""
+def decode_partition(desired_topic: str, row_schema_json: str | None = None) -> Any:
+    """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
+
+    With ``row_schema_json`` (the collection's row schema), each update's row is also checked
+    against the schema and re-encoded with its current version (``RowCodec.upgrade``); a row
+    that does not decode becomes a ``bad`` record that keeps its time and diff, so the error
+    lands in the error collection at its time.
+    """
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import json
+
+        from shared.codec import RowCodec
         from shared.desired import DesiredProgress, decode_desired
         from shared.errors import DecodeError
+
+        row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
 
         for rb in batches:
             topics = rb.column("topic").to_pylist()
@@ -76,6 +87,12 @@ def decode_partition(desired_topic: str) -> Any:
                             fr = None if closed else _signed(msg.frontier.time or 0)
                         else:
                             kind, row, tm, diff = KIND_UPDATE, msg.row, _signed(msg.time), msg.diff
+                            if row_codec is not None:
+                                try:
+                                    row = row_codec.upgrade(msg.row)
+                                except DecodeError as e:
+                                    kind, row = KIND_BAD, None
+                                    err = f"row does not match the collection schema at {topic}/{part}@{off}: {e}"
                 for name, v in (
                     ("topic", topic), ("partition", part), ("offset", off), ("kind", kind),
                     ("row", row), ("time", tm), ("diff", diff), ("frontier", fr),
@@ -87,11 +104,12 @@ def decode_partition(desired_topic: str) -> Any:
     return fn
 
 
-def collect_decoded(df: Any, desired_topic: str | None) -> pa.Table:
+def collect_decoded(df: Any, desired_topic: str | None, *, row_schema_json: str | None = None) -> pa.Table:
     """Decode a micro-batch DataFrame of the Kafka source and bring it to the driver, sorted
     by (topic, partition, offset) so that per-partition order is kept."""
     src = df.select("topic", "partition", "offset", "value")
-    table = src.mapInArrow(decode_partition(desired_topic or "\0none"), DECODED_DDL).toArrow()
+    fn = decode_partition(desired_topic or "\0none", row_schema_json)
+    table = src.mapInArrow(fn, DECODED_DDL).toArrow()
     if table.num_rows:
         table = table.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
     return table

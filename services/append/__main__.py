@@ -1,0 +1,4 @@
+from services.runner import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["append"]))

@@ -1,0 +1,167 @@
+"""The append service: commits each description's staged parts as one batch, exactly once.
+
+Contract (the seeds' append operator):
+
+- inputs: ``descs`` and ``batches`` (reports, one per writer partition per description);
+- for the current description it waits until every writer partition has reported, then
+  ``compare_and_append``s all staged parts as one logical batch, with the description's
+  token as the idempotency token (a retry after an unknown outcome is recognised);
+- on an upper mismatch (another replica appended first) it adopts the shard's upper as its
+  new lower and moves on: the self-correcting loop fixes the contents later;
+- it bumps the shard upper to a description's lower when the upper is below it (a sink whose
+  as-of is beyond the shard's upper); it deletes staged parts it will never append (the
+  storage layer refuses to delete anything a committed batch references);
+- it publishes every upper advance once on ``frontiers``.
+
+Recovery: the state is rebuilt from ``descs`` and ``batches`` (earliest offsets) and the
+shard's upper: descriptions below the upper are outdated and their staged parts are deleted,
+so parts staged before a crash and never appended are cleaned up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from services.common import ServiceSettings, checkpoint_path
+from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded
+from shared.catalog import SinkDef
+from shared.codec import message_codec
+from shared.errors import DecodeError, ShardsinkError, StagedBatchExpiredError, UpperMismatchError
+from shared.shard import Shard, StagedBatch
+from shared.sink_state import (
+    AppendAction,
+    AppendState,
+    BatchDescription,
+    BatchReport,
+    Committed,
+    DeleteStaged,
+    EnsureUpperAtLeast,
+    PublishUpper,
+    ReadyToAppend,
+    UpperMismatch,
+)
+
+log = logging.getLogger("shardsink.append")
+
+
+@dataclass
+class AppendMetrics:
+    appends: int = 0
+    upper_mismatches: int = 0
+    staged_deleted: int = 0
+    bumps: int = 0
+    micro_batches: int = 0
+
+
+@dataclass
+class SinkAppender:
+    sink: SinkDef
+    settings: ServiceSettings
+    shard: Shard
+    state: AppendState
+    producer: ControlProducer
+    metrics: AppendMetrics
+
+    @staticmethod
+    def create(sink: SinkDef, settings: ServiceSettings) -> SinkAppender:
+        shard = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms)
+        return SinkAppender(
+            sink, settings, shard, AppendState(sink.sink_id), ControlProducer.create(settings.kafka, f"append-{sink.sink_id}"), AppendMetrics()
+        )
+
+    def _handles(self, staged: tuple[Any, ...]) -> list[StagedBatch]:
+        return [StagedBatch.from_json(json.loads(s)) for s in staged if s is not None]
+
+    def run_actions(self, actions: list[AppendAction]) -> None:
+        queue: deque[AppendAction] = deque(actions)
+        while queue:
+            a = queue.popleft()
+            if isinstance(a, ReadyToAppend):
+                try:
+                    self.shard.compare_and_append_staged(self._handles(a.staged), a.desc.lower, a.desc.upper, token=a.desc.token)
+                    outcome: Committed | UpperMismatch = Committed(a.desc.upper)
+                    self.metrics.appends += 1
+                except UpperMismatchError as e:
+                    outcome = UpperMismatch(e.current)
+                    self.metrics.upper_mismatches += 1
+                except StagedBatchExpiredError:
+                    outcome = UpperMismatch(self.shard.refresh().upper)
+                queue.extend(self.state.on_append_result(a.desc, outcome))
+            elif isinstance(a, EnsureUpperAtLeast):
+                while True:
+                    cur = self.shard.refresh().upper
+                    if not cur.less_than(a.lower):
+                        break
+                    try:
+                        self.shard.compare_and_append(None, cur, a.lower)
+                        self.metrics.bumps += 1
+                    except UpperMismatchError:
+                        continue
+                queue.extend(self.state.absorb_shard_upper(self.shard.refresh().upper))
+            elif isinstance(a, DeleteStaged):
+                self.metrics.staged_deleted += self.shard.delete_staged(self._handles(a.staged))
+            elif isinstance(a, PublishUpper):
+                msg = {
+                    "shard_id": self.sink.collection_id,
+                    "sink_id": self.sink.sink_id,
+                    "upper": a.upper.to_json(),
+                    "desc_token": a.desc_token,
+                    "updated_at_ms": int(time.time() * 1000),
+                }
+                self.producer.send(self.settings.frontiers_topic, message_codec("frontier_update").encode(msg), key=self.sink.collection_id.encode())
+        self.producer.flush()
+
+    def process(self, table: pa.Table) -> None:
+        actions: list[AppendAction] = list(self.state.absorb_shard_upper(self.shard.refresh().upper))
+        self.run_actions(actions)
+        desc_codec = message_codec("batch_description")
+        report_codec = message_codec("written_batch")
+        kinds = table["kind"].to_pylist()
+        topics = table["topic"].to_pylist()
+        values = table["value"].to_pylist()
+        for kind, topic, value in zip(kinds, topics, values, strict=True):
+            if kind != KIND_CONTROL:
+                continue
+            try:
+                if topic == self.settings.descs_topic:
+                    desc = BatchDescription.from_dict(desc_codec.decode(value or b""))
+                    if desc.sink_id != self.sink.sink_id:
+                        continue
+                    self.run_actions(self.state.absorb_description(desc))
+                elif topic == self.settings.batches_topic:
+                    report = BatchReport.from_dict(report_codec.decode(value or b""))
+                    if report.sink_id != self.sink.sink_id:
+                        continue
+                    self.run_actions(self.state.absorb_report(report))
+            except (DecodeError, ShardsinkError) as e:
+                if self.state.in_flight is not None:
+                    raise
+                log.warning("skipping a bad control message: %s", e, extra={"sink_id": self.sink.sink_id})
+        self.metrics.micro_batches += 1
+
+
+def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkAppender] | None = None) -> Any:
+    from shared.io.spark_kafka import kafka_read_stream
+
+    appender = SinkAppender.create(sink, settings)
+    if registry is not None:
+        registry[sink.sink_id] = appender
+    df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic], starting_offsets="earliest")
+
+    def each(batch_df: Any, batch_id: int) -> None:
+        appender.process(collect_decoded(batch_df, None))
+
+    return (
+        df.writeStream.foreachBatch(each)
+        .option("checkpointLocation", checkpoint_path(settings, "append", sink))
+        .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
+        .queryName(f"append-{sink.sink_id}-{sink.epoch}")
+        .start()
+    )

@@ -1,0 +1,108 @@
+"""The mint service: decides the next batch ``[lower, upper)`` for each sink.
+
+Contract (the seeds' mint operator):
+
+- inputs: the desired topic's progress statements (per partition; the desired frontier is the
+  least of the latest), the shard's upper (read from the shard itself on every micro-batch,
+  never inferred from read-back data), and the sink's read-only flag (from the catalog);
+  ``frontiers`` messages only wake the query up when the upper moves;
+- output: a :class:`shared.sink_state.BatchDescription` on ``descs`` when writes are allowed,
+  the desired frontier is ahead of the shard's upper, and the upper advanced since the last
+  description. Lowers are unique and strictly increasing.
+- identity: each start of the query takes a new epoch (wall-clock milliseconds) and a random
+  nonce in its tokens, so a restarted minter's description with an old lower supersedes the
+  old one, and batches written for the old one are never appended under it.
+
+One active minter per sink: run one mint service (or one all-in-one application).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from services.common import ServiceSettings, checkpoint_path
+from services.sinkio import KIND_PROGRESS, ControlProducer, collect_decoded, u64
+from shared.catalog import SinkDef
+from shared.codec import message_codec
+from shared.shard import Shard
+from shared.sink_state import MintState
+
+log = logging.getLogger("shardsink.mint")
+
+
+@dataclass
+class SinkMinter:
+    sink: SinkDef
+    settings: ServiceSettings
+    shard: Shard
+    state: MintState
+    producer: ControlProducer
+    minted: int = 0
+    micro_batches: int = 0
+
+    @staticmethod
+    def create(sink: SinkDef, settings: ServiceSettings, partitions: int) -> SinkMinter:
+        shard = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms)
+        state = MintState(
+            sink.sink_id,
+            epoch=int(time.time() * 1000),
+            partition_count=partitions,
+            as_of=sink.as_of,
+            read_only=sink.read_only,
+            nonce=uuid.uuid4().hex[:8],
+        )
+        return SinkMinter(sink, settings, shard, state, ControlProducer.create(settings.kafka, f"mint-{sink.sink_id}"))
+
+    def process(self, table: pa.Table) -> None:
+        kinds = table["kind"].to_pylist()
+        parts = table["partition"].to_pylist()
+        frs = table["frontier"].to_pylist()
+        closed = table["frontier_closed"].to_pylist()
+        topics = table["topic"].to_pylist()
+        for i, kind in enumerate(kinds):
+            if kind == KIND_PROGRESS and topics[i] == self.sink.desired_topic:
+                self.state.absorb_desired_progress(parts[i], None if closed[i] else u64(frs[i]))
+        if self.state.read_only:
+            sink = self.settings.catalog().state(fresh=False).sinks.get(self.sink.sink_id)
+            if sink is not None and not sink.read_only:
+                self.state.allow_writes()
+        self.state.absorb_shard_upper(self.shard.refresh().upper)
+        desc = self.state.maybe_mint(int(time.time() * 1000))
+        if desc is not None:
+            self.producer.send(
+                self.settings.descs_topic,
+                message_codec("batch_description").encode(desc.to_dict()),
+                key=self.sink.sink_id.encode(),
+            )
+            self.producer.flush()
+            self.minted += 1
+            log.debug("minted [%s, %s)", desc.lower, desc.upper, extra={"sink_id": self.sink.sink_id})
+        self.micro_batches += 1
+
+
+def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkMinter] | None = None) -> Any:
+    from shared.io.kafka_admin import topic_partition_count
+    from shared.io.spark_kafka import kafka_read_stream
+
+    minter = SinkMinter.create(sink, settings, topic_partition_count(settings.kafka, sink.desired_topic))
+    if registry is not None:
+        registry[sink.sink_id] = minter
+    df = kafka_read_stream(spark, settings.kafka, [sink.desired_topic, settings.frontiers_topic], starting_offsets="earliest")
+    desired_topic = sink.desired_topic
+
+    def each(batch_df: Any, batch_id: int) -> None:
+        minter.process(collect_decoded(batch_df, desired_topic))
+
+    return (
+        df.writeStream.foreachBatch(each)
+        .option("checkpointLocation", checkpoint_path(settings, "mint", sink))
+        .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
+        .queryName(f"mint-{sink.sink_id}-{sink.epoch}")
+        .start()
+    )

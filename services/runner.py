@@ -1,0 +1,122 @@
+"""Run sink services: one of mint, write, append (the separate mode that compose and
+Kubernetes use), or all three in one Spark application (the embedded default: one JVM).
+
+    python -m services.mint | python -m services.write | python -m services.append
+    python -m services          # all three in one application
+    spark-submit services/mint/__main__.py --bootstrap ... --bucket ...
+
+The same code runs in both modes: each service is a :class:`services.common.Supervisor`
+that follows the catalog and runs one streaming query per sink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common import ServiceSettings, Supervisor, configure_logging, spark_session, wait_forever
+from shared.catalog import SinkDef
+
+log = logging.getLogger("shardsink")
+
+SERVICES = ("mint", "write", "append")
+
+
+def ensure_control_topics(settings: ServiceSettings) -> None:
+    from shared.io.kafka_admin import ensure_topic
+
+    for t in (settings.descs_topic, settings.batches_topic, settings.frontiers_topic):
+        ensure_topic(settings.kafka, t, 1)
+
+
+def desired_topic_exists(settings: ServiceSettings, topic: str) -> bool:
+    from shared.errors import KafkaAdapterError
+    from shared.io.kafka_admin import topic_partition_count
+
+    try:
+        return topic_partition_count(settings.kafka, topic) > 0
+    except KafkaAdapterError:
+        return False
+
+
+def nudge(settings: ServiceSettings, sink: SinkDef) -> None:
+    """Publish the shard's current upper on ``frontiers``: wakes the sink's queries up (used
+    when a sink leaves read-only mode, which no Kafka message would otherwise announce)."""
+    from services.sinkio import ControlProducer
+    from shared.codec import message_codec
+    from shared.shard import Shard
+
+    upper = Shard.open(settings.store(), sink.collection_id).refresh().upper
+    p = ControlProducer.create(settings.kafka, "nudge")
+    msg = {"shard_id": sink.collection_id, "sink_id": sink.sink_id, "upper": upper.to_json(), "desc_token": None, "updated_at_ms": int(time.time() * 1000)}
+    p.send(settings.frontiers_topic, message_codec("frontier_update").encode(msg), key=sink.collection_id.encode())
+    p.flush()
+
+
+@dataclass
+class Services:
+    """Running services of one application (and their per-sink state, for metrics/tests)."""
+
+    settings: ServiceSettings
+    spark: Any
+    names: tuple[str, ...]
+    supervisors: list[Supervisor] = field(default_factory=list)
+    minters: dict[str, Any] = field(default_factory=dict)
+    writers: dict[str, Any] = field(default_factory=dict)
+    appenders: dict[str, Any] = field(default_factory=dict)
+
+    def start(self) -> Services:
+        from services.append.service import start_append_query
+        from services.mint.service import start_mint_query
+        from services.write.service import start_write_query
+
+        ensure_control_topics(self.settings)
+        s = self.settings
+
+        def guarded(fn: Any, registry: dict[str, Any]) -> Any:
+            def start(sink: SinkDef) -> Any:
+                if not desired_topic_exists(s, sink.desired_topic):
+                    return None
+                return fn(self.spark, s, sink, registry)
+
+            return start
+
+        for name in self.names:
+            if name == "mint":
+                sup = Supervisor("mint", s, guarded(start_mint_query, self.minters), on_change=lambda sink: nudge(s, sink))
+            elif name == "write":
+                sup = Supervisor("write", s, guarded(start_write_query, self.writers))
+            elif name == "append":
+                sup = Supervisor("append", s, guarded(start_append_query, self.appenders))
+            else:
+                raise ValueError(f"expected a service in {SERVICES}, found {name!r}")
+            self.supervisors.append(sup.start())
+        return self
+
+    def stop(self) -> None:
+        for sup in self.supervisors:
+            sup.stop()
+        self.supervisors.clear()
+
+
+def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"shardsink-{'-'.join(names)}", description=f"run the {', '.join(names)} service(s)")
+    ServiceSettings.add_arguments(parser)
+    args = parser.parse_args(argv)
+    settings = ServiceSettings.from_env_and_args(args)
+    configure_logging("+".join(names))
+    spark = spark_session(settings, f"shardsink-{'-'.join(names)}")
+    services = Services(settings, spark, tuple(names)).start()
+    log.info("running %s", ", ".join(names))
+    stop = threading.Event()
+    try:
+        wait_forever(stop)
+    finally:
+        services.stop()
+        spark.stop()
+    return 0
