@@ -39,6 +39,7 @@ from shared.errors import (
     ConflictRetryError,
     IndeterminateError,
     ObjectNotFoundError,
+    ObjectStoreError,
     PreconditionFailedError,
     ShardNotFoundError,
 )
@@ -220,6 +221,10 @@ class VersionedLog(Generic[S]):
         data = new.encode()
         key = self.state_key(new.seqno)
         last: Exception | None = None
+        # Once a PUT's outcome is unknown, our state may be there: from then on a determinate
+        # failure of a later request says nothing about that PUT, so it must not reach the
+        # caller as "definitely not applied". Keep asking until the answer is known.
+        uncertain = False
         for _ in range(tries):
             try:
                 self.store.put(key, data, if_absent=True)
@@ -230,8 +235,18 @@ class VersionedLog(Generic[S]):
                     other = self.get_state(new.seqno)
                 except (ObjectNotFoundError, IndeterminateError):
                     continue  # 409 with nothing written, or a flaky read: try again
+                except ObjectStoreError:
+                    if not uncertain:
+                        raise  # none of our PUTs can have landed: nothing was applied
+                    continue
                 return other.change_token == token
             except IndeterminateError as e:
+                last = e
+                uncertain = True
+                time.sleep(0.01)
+            except ObjectStoreError as e:
+                if not uncertain:
+                    raise
                 last = e
                 time.sleep(0.01)
         raise IndeterminateError(
