@@ -50,7 +50,6 @@ import pyarrow.parquet as pq
 
 from shared.avro_arrow import avro_to_arrow_schema, parse_row_schema, rows_to_arrow
 from shared.errors import (
-    ConflictRetryError,
     InvalidUsageError,
     NotReadableYetError,
     SchemaMismatchError,
@@ -59,6 +58,7 @@ from shared.errors import (
     ShardNotFoundError,
     SinceViolationError,
     StagedBatchExpiredError,
+    StorageError,
     UpperMismatchError,
 )
 from shared.frontier import Frontier
@@ -504,9 +504,13 @@ class Shard:
         check_age()
         result = self._commit(transition, token, before_put=check_age)
         if self.auto_compact:
+            # The append has committed: compaction is best effort from here on. Any storage
+            # failure of it (a refused PUT, a timeout) must not reach the caller, who would
+            # take it for a failed append; a merge that did not commit leaves only an
+            # unreferenced data object for gc().
             try:
                 self.compact(max_merges=4)
-            except (UpperMismatchError, ConflictRetryError, InvalidUsageError):
+            except StorageError:
                 pass
         return result
 
