@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PYSPARK_PYTHON := $(abspath $(VPY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VPY))
 
-.PHONY: venv test test-fast up demo bench bench-shard bench-kafka lint clean
+.PHONY: venv test up demo bench-shard bench-kafka bench-sink lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ venv: $(STAMP)
 ## make test: create .venv, install the project with its test dependencies, run the suite
 test: $(STAMP)
 	$(VPY) -m pytest $(ARGS)
+
+## make demo: start the embedded stack, run the sink on a generated workload, verify the shard
+demo: $(STAMP)
+	$(VPY) -m services.demo $(ARGS)
 
 ## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground
 up: $(STAMP)

@@ -159,6 +159,7 @@ def spark_session(settings: ServiceSettings, app_name: str) -> Any:
         builder = builder.master(settings.spark_master)
     spark = (
         builder.config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.streaming.stopTimeout", "30s")
         .getOrCreate()

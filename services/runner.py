@@ -99,9 +99,21 @@ class Services:
         return self
 
     def stop(self) -> None:
+        """Stop every query, then flush and release the control producers (so no client
+        keeps reconnecting to a broker that is going away)."""
+        import gc
+
         for sup in self.supervisors:
             sup.stop()
         self.supervisors.clear()
+        for registry in (self.minters, self.writers, self.appenders):
+            for part in registry.values():
+                try:
+                    part.producer.flush(timeout_s=5)
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+            registry.clear()
+        gc.collect()
 
 
 def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
