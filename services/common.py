@@ -44,6 +44,47 @@ from shared.io.s3 import S3ObjectStore, S3Settings
 
 log = logging.getLogger("shardsink")
 
+#: Every environment variable the services read (name -> meaning). Deployment files are
+#: checked against this list by tests/test_deploy.py.
+ENV_VARS: dict[str, str] = {
+    "SHARDSINK_KAFKA_BOOTSTRAP": "Kafka bootstrap servers",
+    "SHARDSINK_KAFKA_SECURITY_PROTOCOL": "librdkafka security.protocol",
+    "SHARDSINK_S3_ENDPOINT": "S3 endpoint URL (empty: AWS)",
+    "SHARDSINK_S3_BUCKET": "S3 bucket",
+    "SHARDSINK_S3_PREFIX": "S3 key prefix",
+    "AWS_ACCESS_KEY_ID": "S3 access key",
+    "AWS_SECRET_ACCESS_KEY": "S3 secret key",
+    "AWS_ACCESS_KEY_ID_FILE": "file holding the S3 access key",
+    "AWS_SECRET_ACCESS_KEY_FILE": "file holding the S3 secret key",
+    "AWS_DEFAULT_REGION": "S3 region",
+    "AWS_REGION": "S3 region (alternative name)",
+    "SHARDSINK_CHECKPOINT_DIR": "Spark checkpoint root",
+    "SHARDSINK_TOPIC_DESCS": "batch descriptions topic",
+    "SHARDSINK_TOPIC_BATCHES": "written-batch reports topic",
+    "SHARDSINK_TOPIC_FRONTIERS": "shard upper advances topic",
+    "SHARDSINK_TOPIC_COMMANDS": "controller commands topic",
+    "SHARDSINK_TOPIC_RESPONSES": "controller responses topic",
+    "SHARDSINK_TRIGGER_MS": "micro-batch trigger interval",
+    "SHARDSINK_CATALOG_POLL_MS": "how often services re-read the catalog",
+    "SHARDSINK_SPARK_MASTER": "Spark master when not under spark-submit",
+    "SHARDSINK_STAGED_GRACE_MS": "GC grace period for unreferenced objects",
+    "SHARDSINK_LOG_LEVEL": "log level",
+    "SHARDSINK_SCHEMAS_DIR": "where the .avsc files are",
+    "SHARDSINK_SPARK_KAFKA_CONNECTOR": "shardsink (default) or builtin (spark-sql-kafka jar)",
+    "SHARDSINK_SCHEMA_REGISTRY_URL": "Confluent-compatible schema registry (optional)",
+    "SHARDSINK_WIRE_FORMAT": "single-object (default) or confluent",
+    "SHARDSINK_METRICS_PORT": "Prometheus metrics port",
+    "PYSPARK_PYTHON": "Python interpreter of the Spark executors",
+}
+#: Prefixes of Kafka client options passed through to librdkafka (see shared/io/kafka.py).
+ENV_PREFIXES: tuple[str, ...] = ("SHARDSINK_KAFKA_SASL_", "SHARDSINK_KAFKA_SSL_", "SHARDSINK_KAFKA_OPTION_")
+#: Variables a deployment must set.
+REQUIRED_ENV: tuple[str, ...] = ("SHARDSINK_KAFKA_BOOTSTRAP", "SHARDSINK_S3_BUCKET")
+
+
+def is_known_env(name: str) -> bool:
+    return name in ENV_VARS or name.startswith(ENV_PREFIXES)
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceSettings:
@@ -155,7 +196,9 @@ def spark_session(settings: ServiceSettings, app_name: str) -> Any:
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
-    if "spark.master" not in os.environ.get("SPARK_CONF", "") and not os.environ.get("SPARK_SUBMIT"):
+    if not os.environ.get("PYSPARK_GATEWAY_PORT"):
+        # Started with plain python: we pick the master. Under spark-submit the JVM started
+        # us (it sets PYSPARK_GATEWAY_PORT) and spark-submit's --master applies.
         builder = builder.master(settings.spark_master)
     spark = (
         builder.config("spark.ui.enabled", "false")

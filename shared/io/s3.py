@@ -44,11 +44,13 @@ from shared.errors import (
 from shared.objectstore import ObjectInfo
 
 
-def _read_secret(name: str) -> str | None:
-    v = os.environ.get(name)
+def _read_secret(name: str, env: dict[str, str]) -> str | None:
+    """``NAME`` from the environment, else the contents of the file named by ``NAME_FILE``
+    (a mounted Kubernetes or compose secret)."""
+    v = env.get(name)
     if v:
         return v
-    path = os.environ.get(f"{name}_FILE")
+    path = env.get(f"{name}_FILE")
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
@@ -76,22 +78,14 @@ class S3Settings:
     @staticmethod
     def from_env(env: dict[str, str] | None = None) -> S3Settings:
         e = dict(os.environ if env is None else env)
-        saved = dict(os.environ)
-        try:
-            if env is not None:
-                os.environ.update(env)
-            return S3Settings(
-                bucket=e.get("SHARDSINK_S3_BUCKET", "shardsink"),
-                endpoint=e.get("SHARDSINK_S3_ENDPOINT") or None,
-                prefix=e.get("SHARDSINK_S3_PREFIX", ""),
-                region=e.get("AWS_DEFAULT_REGION", e.get("AWS_REGION", "us-east-1")),
-                access_key=_read_secret("AWS_ACCESS_KEY_ID"),
-                secret_key=_read_secret("AWS_SECRET_ACCESS_KEY"),
-            )
-        finally:
-            if env is not None:
-                os.environ.clear()
-                os.environ.update(saved)
+        return S3Settings(
+            bucket=e.get("SHARDSINK_S3_BUCKET", "shardsink"),
+            endpoint=e.get("SHARDSINK_S3_ENDPOINT") or None,
+            prefix=e.get("SHARDSINK_S3_PREFIX", ""),
+            region=e.get("AWS_DEFAULT_REGION", e.get("AWS_REGION", "us-east-1")),
+            access_key=_read_secret("AWS_ACCESS_KEY_ID", e),
+            secret_key=_read_secret("AWS_SECRET_ACCESS_KEY", e),
+        )
 
     def __repr__(self) -> str:  # never print secrets
         return (
