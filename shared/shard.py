@@ -457,7 +457,12 @@ class Shard:
         try:
             return self.compare_and_append_staged(staged, expected, new, token)
         except (UpperMismatchError, InvalidUsageError, ShardDroppedError):
-            self.delete_staged(staged)
+            # Best-effort cleanup: the caller must see the refusal it has to act on (with the
+            # current upper), not a failure of the cleanup; gc() reclaims what is left.
+            try:
+                self.delete_staged(staged)
+            except StorageError:
+                pass
             raise
 
     def compare_and_append_staged(
