@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any
 
 from shared.errors import FormatError, InvalidUsageError, ShardsinkError
@@ -268,83 +269,119 @@ class Catalog:
 
     # -- collections -----------------------------------------------------------------------
     def create_collection(self, c: CollectionDef, *, epoch: int | None = None) -> CatalogState:
-        validate_id("collection", c.collection_id)
-
-        def t(s: CatalogState) -> CatalogState:
-            old = s.collections.get(c.collection_id)
-            if old is not None:
-                if old.dropped:
-                    raise IdReuseError(
-                        f"expected a fresh collection id, found {c.collection_id!r} used by a dropped collection",
-                        collection_id=c.collection_id,
-                    )
-                if old.definition() != c.definition():
-                    raise IdReuseError(
-                        f"expected collection {c.collection_id!r} to have its existing definition, found another",
-                        collection_id=c.collection_id,
-                    )
-                return s
-            return replace(s, collections={**s.collections, c.collection_id: c})
-
-        return self.update(t, epoch=epoch)
+        return self.update(create_collection_transition(c), epoch=epoch)
 
     def alter_collection(self, collection_id: str, read_policy: dict[str, Any], *, epoch: int | None = None) -> CatalogState:
-        def t(s: CatalogState) -> CatalogState:
-            c = s.collection(collection_id)
-            if c.read_policy == read_policy:
-                return s
-            return replace(s, collections={**s.collections, collection_id: replace(c, read_policy=read_policy)})
-
-        return self.update(t, epoch=epoch)
+        return self.update(alter_collection_transition(collection_id, read_policy), epoch=epoch)
 
     def drop_collection(self, collection_id: str, *, epoch: int | None = None) -> CatalogState:
-        def t(s: CatalogState) -> CatalogState:
-            c = s.collections.get(collection_id)
-            if c is None:
-                raise UnknownCollectionError(f"expected a collection {collection_id!r}, found none")
-            if c.dropped:
-                return s
-            sinks = {k: (replace(v, dropped=True) if v.collection_id == collection_id else v) for k, v in s.sinks.items()}
-            return replace(s, collections={**s.collections, collection_id: replace(c, dropped=True)}, sinks=sinks)
-
-        return self.update(t, epoch=epoch)
+        return self.update(drop_collection_transition(collection_id), epoch=epoch)
 
     # -- sinks -----------------------------------------------------------------------------
     def create_sink(self, sink: SinkDef, *, epoch: int | None = None) -> CatalogState:
-        validate_id("sink", sink.sink_id)
-        if not sink.desired_topic:
-            raise InvalidUsageError("expected a desired topic name, found ''")
-
-        def t(s: CatalogState) -> CatalogState:
-            s.collection(sink.collection_id)
-            old = s.sinks.get(sink.sink_id)
-            if old is not None:
-                if old.dropped:
-                    raise IdReuseError(f"expected a fresh sink id, found {sink.sink_id!r} used by a dropped sink")
-                if old.definition() != sink.definition():
-                    raise IdReuseError(f"expected sink {sink.sink_id!r} to have its existing definition, found another")
-                return s
-            epoch_n = 1 + max((v.epoch for v in s.sinks.values()), default=0)
-            return replace(s, sinks={**s.sinks, sink.sink_id: replace(sink, epoch=epoch_n)})
-
-        return self.update(t, epoch=epoch)
+        return self.update(create_sink_transition(sink), epoch=epoch)
 
     def drop_sink(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
-        def t(s: CatalogState) -> CatalogState:
-            old = s.sinks.get(sink_id)
-            if old is None:
-                raise UnknownSinkError(f"expected a sink {sink_id!r}, found none")
-            if old.dropped:
-                return s
-            return replace(s, sinks={**s.sinks, sink_id: replace(old, dropped=True)})
-
-        return self.update(t, epoch=epoch)
+        return self.update(drop_sink_transition(sink_id), epoch=epoch)
 
     def allow_writes(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
-        def t(s: CatalogState) -> CatalogState:
-            old = s.sink(sink_id)
-            if not old.read_only:
-                return s
-            return replace(s, sinks={**s.sinks, sink_id: replace(old, read_only=False)})
+        return self.update(allow_writes_transition(sink_id), epoch=epoch)
 
-        return self.update(t, epoch=epoch)
+    # -- maintenance -----------------------------------------------------------------------
+    def collect(self, grace_ms: int) -> int:
+        """Delete catalog states below the head older than ``grace_ms``; returns the count."""
+        head = self._log.refresh()
+        return self._log.collect_states(head.seqno, now_ms() - grace_ms)
+
+
+# -- pure transitions (each returns the state itself for a no-op) ------------------------------
+# The controller composes these with its own section of ``extra`` in one commit.
+
+Transition = Callable[[CatalogState], CatalogState]
+
+
+def create_collection_transition(c: CollectionDef) -> Transition:
+    validate_id("collection", c.collection_id)
+
+    def t(s: CatalogState) -> CatalogState:
+        old = s.collections.get(c.collection_id)
+        if old is not None:
+            if old.dropped:
+                raise IdReuseError(
+                    f"expected a fresh collection id, found {c.collection_id!r} used by a dropped collection",
+                    collection_id=c.collection_id,
+                )
+            if old.definition() != c.definition():
+                raise IdReuseError(
+                    f"expected collection {c.collection_id!r} to have its existing definition, found another",
+                    collection_id=c.collection_id,
+                )
+            return s
+        return replace(s, collections={**s.collections, c.collection_id: c})
+
+    return t
+
+
+def alter_collection_transition(collection_id: str, read_policy: dict[str, Any]) -> Transition:
+    def t(s: CatalogState) -> CatalogState:
+        c = s.collection(collection_id)
+        if c.read_policy == read_policy:
+            return s
+        return replace(s, collections={**s.collections, collection_id: replace(c, read_policy=read_policy)})
+
+    return t
+
+
+def drop_collection_transition(collection_id: str) -> Transition:
+    def t(s: CatalogState) -> CatalogState:
+        c = s.collections.get(collection_id)
+        if c is None:
+            raise UnknownCollectionError(f"expected a collection {collection_id!r}, found none")
+        if c.dropped:
+            return s
+        sinks = {k: (replace(v, dropped=True) if v.collection_id == collection_id else v) for k, v in s.sinks.items()}
+        return replace(s, collections={**s.collections, collection_id: replace(c, dropped=True)}, sinks=sinks)
+
+    return t
+
+
+def create_sink_transition(sink: SinkDef) -> Transition:
+    validate_id("sink", sink.sink_id)
+    if not sink.desired_topic:
+        raise InvalidUsageError("expected a desired topic name, found ''")
+
+    def t(s: CatalogState) -> CatalogState:
+        s.collection(sink.collection_id)
+        old = s.sinks.get(sink.sink_id)
+        if old is not None:
+            if old.dropped:
+                raise IdReuseError(f"expected a fresh sink id, found {sink.sink_id!r} used by a dropped sink")
+            if old.definition() != sink.definition():
+                raise IdReuseError(f"expected sink {sink.sink_id!r} to have its existing definition, found another")
+            return s
+        epoch_n = 1 + max((v.epoch for v in s.sinks.values()), default=0)
+        return replace(s, sinks={**s.sinks, sink.sink_id: replace(sink, epoch=epoch_n)})
+
+    return t
+
+
+def drop_sink_transition(sink_id: str) -> Transition:
+    def t(s: CatalogState) -> CatalogState:
+        old = s.sinks.get(sink_id)
+        if old is None:
+            raise UnknownSinkError(f"expected a sink {sink_id!r}, found none")
+        if old.dropped:
+            return s
+        return replace(s, sinks={**s.sinks, sink_id: replace(old, dropped=True)})
+
+    return t
+
+
+def allow_writes_transition(sink_id: str) -> Transition:
+    def t(s: CatalogState) -> CatalogState:
+        old = s.sink(sink_id)
+        if not old.read_only:
+            return s
+        return replace(s, sinks={**s.sinks, sink_id: replace(old, read_only=False)})
+
+    return t

@@ -1,0 +1,102 @@
+"""A small client of the controller: produce commands, wait for their responses.
+
+Used by tests, the benchmark and scripts::
+
+    client = ControllerClient(kafka_settings)
+    cid = client.send("Peek", {"collection_id": "c1", "as_of": 5})
+    response = client.wait(cid)          # {"command_id": ..., "body": ("...PeekResult", {...})}
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from confluent_kafka import Producer, TopicPartition
+
+from shared.codec import kind_of, message_codec, tagged
+from shared.errors import DecodeError, KafkaTimeoutError
+from shared.io.kafka import KafkaSettings, new_consumer
+
+
+class ControllerClient:
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        *,
+        commands_topic: str = "commands",
+        responses_topic: str = "responses",
+        from_offset: int = 0,
+    ) -> None:
+        self.kafka = kafka
+        self.commands_topic = commands_topic
+        self.responses_topic = responses_topic
+        self.cmd_codec = message_codec("command")
+        self.resp_codec = message_codec("response")
+        self.producer = Producer(kafka.config(**{"enable.idempotence": True, "linger.ms": 1}))
+        self.consumer = new_consumer(kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"})
+        self.consumer.assign([TopicPartition(responses_topic, 0, from_offset)])
+        #: Every response seen, in order (FrontierUpper reports included).
+        self.seen: list[dict[str, Any]] = []
+        self._by_id: dict[str, list[dict[str, Any]]] = {}
+
+    def close(self) -> None:
+        self.producer.flush(10)
+        self.consumer.close()
+
+    def encode(self, kind: str, body: dict[str, Any], command_id: str | None = None) -> tuple[str, bytes]:
+        cid = command_id or uuid.uuid4().hex
+        value = self.cmd_codec.encode({"command_id": cid, "issued_at_ms": int(time.time() * 1000), "body": tagged(kind, body)})
+        return cid, bytes(value)
+
+    def send_raw(self, value: bytes) -> None:
+        self.producer.produce(self.commands_topic, value=value)
+        self.producer.flush(10)
+
+    def send(self, kind: str, body: dict[str, Any], command_id: str | None = None) -> str:
+        cid, value = self.encode(kind, body, command_id)
+        self.send_raw(value)
+        return cid
+
+    def poll(self, timeout_s: float = 0.05) -> list[dict[str, Any]]:
+        out = []
+        for m in self.consumer.consume(num_messages=500, timeout=timeout_s):
+            if m.error() is not None:
+                continue
+            try:
+                r = self.resp_codec.decode(m.value())
+            except DecodeError:
+                continue
+            r["_offset"] = m.offset()
+            self.seen.append(r)
+            if r.get("command_id") is not None:
+                self._by_id.setdefault(r["command_id"], []).append(r)
+            out.append(r)
+        return out
+
+    def responses(self, command_id: str) -> list[dict[str, Any]]:
+        return list(self._by_id.get(command_id, []))
+
+    def wait(self, command_id: str, timeout_s: float = 60.0, *, count: int = 1) -> dict[str, Any]:
+        """The first response to ``command_id`` (waits until ``count`` have been seen)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._by_id.get(command_id, [])) < count:
+            if time.monotonic() > deadline:
+                raise KafkaTimeoutError(f"expected a response to {command_id!r} within {timeout_s}s, found none")
+            self.poll(0.05)
+        return self._by_id[command_id][0]
+
+    def call(self, kind: str, body: dict[str, Any], command_id: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+        return self.wait(self.send(kind, body, command_id), timeout_s)
+
+    def frontier_uppers(self, collection_id: str) -> Iterator[int | None]:
+        for r in self.seen:
+            if r.get("command_id") is None and kind_of(r["body"]) == "FrontierUpper":
+                if r["body"][1]["collection_id"] == collection_id:
+                    yield r["body"][1]["upper"]
+
+
+def body_kind(response: dict[str, Any]) -> str:
+    return kind_of(response["body"])

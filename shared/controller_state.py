@@ -1,0 +1,215 @@
+"""The controller's pure state: read capabilities, reported frontiers, the command log and
+subscribe progress. No I/O: ``services/controller/service.py`` performs the effects.
+
+Invariants kept here (from the reference storage and compute controllers):
+
+- A collection's *implied capability* (from its read policy) only moves forward: a policy
+  change or an upper advance that would move it back leaves it where it is.
+- since = the meet of the implied capability and every hold (pending peeks at their as-of,
+  running subscribes at their frontier, live sinks at the last readable time), never beyond
+  the upper, never backwards (the shard's reader hold only moves forward).
+- Uppers are reported when they advance, once per advance, never backwards.
+- The command log maps a command id to its response (bounded, oldest evicted first); a
+  replayed id is answered from the log and not applied again.
+- A subscribe's progress only moves forward; ``emitting`` records an output range whose
+  messages may be partly on the topic (its intent is durable before its first message).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.catalog import CatalogError, IdReuseError, UnknownCollectionError, UnknownSinkError
+from shared.errors import (
+    CodecError,
+    DecodeError,
+    InvalidUsageError,
+    NotReadableYetError,
+    SchemaError,
+    SchemaMismatchError,
+    ShardDroppedError,
+    ShardExistsError,
+    SinceViolationError,
+    UpperMismatchError,
+)
+from shared.frontier import Frontier
+from shared.read_policy import ReadPolicy
+
+#: The catalog ``extra`` section owned by the controller.
+SECTION = "controller"
+
+
+# -- read capabilities ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """One collection's read capabilities as the controller sees them."""
+
+    implied: Frontier
+    holds: tuple[tuple[str, Frontier], ...] = ()
+
+    def advance_implied(self, policy: ReadPolicy, upper: Frontier) -> Capabilities:
+        """The policy's frontier for ``upper``, if it is not behind the current one."""
+        new = policy.implied(upper)
+        if self.implied.less_equal(new):
+            return Capabilities(new, self.holds)
+        return self
+
+    def with_holds(self, holds: dict[str, Frontier]) -> Capabilities:
+        return Capabilities(self.implied, tuple(sorted(holds.items(), key=lambda kv: kv[0])))
+
+    def since(self, upper: Frontier) -> Frontier:
+        """The meet of the implied capability and the holds, clamped to the upper."""
+        out = self.implied
+        for _, h in self.holds:
+            out = out.meet(h)
+        return out.meet(upper) if not upper.is_empty() else out
+
+
+def sink_hold(upper: Frontier) -> Frontier:
+    """A live sink reads its collection back at ``upper - 1`` (hydration): hold there."""
+    return upper.step_back() if upper.time is not None else Frontier.minimum()
+
+
+# -- frontier reporting ----------------------------------------------------------------------------
+
+
+def should_report(reported: Frontier | None, upper: Frontier) -> bool:
+    """Report ``upper`` iff nothing was reported yet or it is strictly beyond the last report."""
+    return reported is None or reported.less_than(upper)
+
+
+# -- typed errors ------------------------------------------------------------------------------------
+
+
+class CommandRejected(Exception):
+    """A command the controller refuses; ``kind`` is the Error response kind."""
+
+    def __init__(self, kind: str, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.fields = fields
+
+
+def error_kind(e: BaseException) -> str:
+    """The response ``Error.kind`` of an exception (see schemas/response.avsc)."""
+    if isinstance(e, CommandRejected):
+        return e.kind
+    if isinstance(e, (UnknownCollectionError, UnknownSinkError, ShardDroppedError)):
+        return "IdentifierMissing"
+    if isinstance(e, (IdReuseError, ShardExistsError)):
+        return "IdentifierReused"
+    if isinstance(e, SinceViolationError):
+        return "ReadBeforeSince"
+    if isinstance(e, NotReadableYetError):
+        return "NotReadableYet"
+    if isinstance(e, UpperMismatchError):
+        return "UpperMismatch"
+    if isinstance(e, (SchemaError, SchemaMismatchError)):
+        return "SchemaError"
+    if isinstance(e, DecodeError):
+        return "DecodeError"
+    if isinstance(e, (InvalidUsageError, CatalogError, CodecError, ValueError)):
+        return "InvalidUsage"
+    return "Internal"
+
+
+# -- the durable section -------------------------------------------------------------------------
+
+
+@dataclass
+class ControllerSection:
+    """The controller's part of the catalog ``extra`` (JSON-able; copied before changes).
+
+    - ``offsets[partition]``: the next command offset to read; every command before it has
+      been applied and answered (its response flushed).
+    - ``log[command_id]``: ``{"o": "p:offset", "r": response (base64) | "k": S3 key}`` for
+      answered commands, ``{"o": ..., "pending": command (base64)}`` for waiting peeks.
+    - ``order``: command ids oldest first (eviction order).
+    - ``reported[collection_id]``: the last reported upper (``null``: the empty frontier).
+    - ``subs[subscribe_id]``: subscribe definitions and progress.
+    - ``reclaim[collection_id]``: dropped collections whose storage is not yet reclaimed.
+    """
+
+    offsets: dict[str, int] = field(default_factory=dict)
+    log: dict[str, dict[str, Any]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    reported: dict[str, int | None] = field(default_factory=dict)
+    subs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reclaim: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any]) -> ControllerSection:
+        d = copy.deepcopy(extra.get(SECTION) or {})
+        return ControllerSection(
+            offsets={str(k): int(v) for k, v in (d.get("offsets") or {}).items()},
+            log=dict(d.get("log") or {}),
+            order=list(d.get("order") or []),
+            reported=dict(d.get("reported") or {}),
+            subs=dict(d.get("subs") or {}),
+            reclaim={str(k): int(v) for k, v in (d.get("reclaim") or {}).items()},
+        )
+
+    def to_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **extra,
+            SECTION: {
+                "offsets": self.offsets,
+                "log": self.log,
+                "order": self.order,
+                "reported": self.reported,
+                "subs": self.subs,
+                "reclaim": self.reclaim,
+            },
+        }
+
+    # -- command log ------------------------------------------------------------------------
+    def record(self, command_id: str, entry: dict[str, Any], max_entries: int) -> list[str]:
+        """Log ``entry`` for ``command_id``; returns the evicted ids (oldest first)."""
+        if command_id not in self.log:
+            self.order.append(command_id)
+        self.log[command_id] = entry
+        evicted: list[str] = []
+        while len(self.order) > max_entries:
+            old = self.order.pop(0)
+            if "pending" in self.log.get(old, {}):
+                self.order.append(old)  # a waiting peek is never evicted
+                if all("pending" in self.log.get(c, {}) for c in self.order):
+                    break
+                continue
+            self.log.pop(old, None)
+            evicted.append(old)
+        return evicted
+
+
+# -- subscribes ----------------------------------------------------------------------------------
+
+
+def subscribe_step(sub: dict[str, Any], upper: Frontier) -> tuple[int | None, Frontier, bool] | None:
+    """The next output range of a running subscribe, or None when there is nothing new.
+
+    Returns ``(lower, new_frontier, with_snapshot)``: changes at times in ``[lower,
+    new_frontier)`` (``lower`` None means: the snapshot at as_of, then changes after it), then
+    a progress statement at ``new_frontier``. ``new_frontier`` never passes ``up_to``.
+    """
+    as_of = int(sub["as_of"])
+    up_to = Frontier.empty() if sub.get("up_to") is None else Frontier.at(int(sub["up_to"]))
+    target = upper.meet(up_to)
+    progress = sub.get("progress")
+    if progress is None:
+        # The first step needs as_of readable: as_of < upper.
+        if not Frontier.at(as_of).less_than(target):
+            return None
+        return (None, target, bool(sub.get("with_snapshot", True)))
+    if not Frontier.at(int(progress)).less_than(target):
+        return None
+    return (int(progress), target, False)
+
+
+def subscribe_hold(sub: dict[str, Any]) -> Frontier:
+    """Where a running subscribe holds since: at as_of until it starts, then its progress."""
+    p = sub.get("progress")
+    return Frontier.at(int(sub["as_of"])) if p is None else Frontier.at(int(p))
