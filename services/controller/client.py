@@ -33,6 +33,12 @@ class ControllerClient:
         self.kafka = kafka
         self.commands_topic = commands_topic
         self.responses_topic = responses_topic
+        from shared.io.kafka_admin import ensure_topic
+
+        # Producing to a topic that does not exist yet can reorder the first messages on the
+        # embedded broker (auto-creation): make sure both topics exist first.
+        ensure_topic(kafka, commands_topic, 1)
+        ensure_topic(kafka, responses_topic, 1)
         self.cmd_codec = message_codec("command")
         self.resp_codec = message_codec("response")
         self.producer = Producer(kafka.config(**{"enable.idempotence": True, "linger.ms": 1}))
@@ -52,8 +58,15 @@ class ControllerClient:
         return cid, bytes(value)
 
     def send_raw(self, value: bytes) -> None:
-        self.producer.produce(self.commands_topic, value=value)
-        self.producer.flush(10)
+        errors: list[Any] = []
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+
+        self.producer.produce(self.commands_topic, value=value, on_delivery=on_delivery)
+        if self.producer.flush(30) > 0 or errors:
+            raise KafkaTimeoutError(f"expected the command delivered, found {errors or 'it pending'}")
 
     def send(self, kind: str, body: dict[str, Any], command_id: str | None = None) -> str:
         cid, value = self.encode(kind, body, command_id)
