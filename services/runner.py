@@ -122,8 +122,16 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = ServiceSettings.from_env_and_args(args)
     configure_logging("+".join(names))
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
+    log.info("settings: kafka %s, %r, checkpoints %s", settings.kafka.bootstrap, settings.s3, settings.checkpoint_dir)
     spark = spark_session(settings, f"shardsink-{'-'.join(names)}")
     services = Services(settings, spark, tuple(names)).start()
+    from services.metrics import start_metrics
+
+    start_metrics(services)
     log.info("running %s", ", ".join(names))
     stop = threading.Event()
     try:

@@ -1,0 +1,24 @@
+# The image of every shardsink service: Python 3.11, Java 17 (for Spark), pyspark, the project.
+FROM python:3.11-slim-bookworm
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps tini \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY services ./services
+COPY schemas ./schemas
+RUN pip install --no-cache-dir .
+
+ENV PYSPARK_PYTHON=python3 \
+    SHARDSINK_SCHEMAS_DIR=/app/schemas \
+    SHARDSINK_CHECKPOINT_DIR=/checkpoints
+
+RUN useradd --create-home --uid 10001 shardsink && mkdir -p /checkpoints && chown shardsink /checkpoints
+USER shardsink
+VOLUME ["/checkpoints"]
+EXPOSE 9400
+ENTRYPOINT ["tini", "--"]
+CMD ["python", "-m", "services"]

@@ -1,0 +1,100 @@
+"""Prometheus metrics over HTTP (``SHARDSINK_METRICS_PORT``), collected at scrape time from
+the running services' own counters, so the hot path does no metric bookkeeping of its own.
+
+Exported (labels ``sink`` or ``collection``):
+
+- ``shardsink_descriptions_minted_total``, ``shardsink_mint_desired_frontier``
+- ``shardsink_write_desired_updates_total``, ``shardsink_write_decode_errors_total``,
+  ``shardsink_write_contract_violations_total``, ``shardsink_write_batches_staged_total``,
+  ``shardsink_write_correction_updates``, ``shardsink_write_correction_bytes``
+- ``shardsink_append_batches_total``, ``shardsink_append_upper_mismatches_total``,
+  ``shardsink_append_staged_deleted_total``
+- ``shardsink_shard_upper``, ``shardsink_shard_since``, ``shardsink_shard_upper_lag``
+  (desired frontier minus shard upper, in time units), ``shardsink_shard_batches``
+- ``shardsink_microbatch_duration_ms`` (last trigger duration of each streaming query, from
+  Spark's progress reports)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("shardsink.metrics")
+
+
+class ServicesCollector(Collector):
+    def __init__(self, services: Any) -> None:
+        self.services = services
+
+    def collect(self) -> Iterator[Any]:
+        s = self.services
+        minted = CounterMetricFamily("shardsink_descriptions_minted", "batch descriptions minted", labels=["sink"])
+        desired = GaugeMetricFamily("shardsink_mint_desired_frontier", "desired frontier seen by mint", labels=["sink"])
+        upper = GaugeMetricFamily("shardsink_shard_upper", "shard upper", labels=["sink"])
+        lag = GaugeMetricFamily("shardsink_shard_upper_lag", "desired frontier minus shard upper", labels=["sink"])
+        for sink_id, m in list(s.minters.items()):
+            minted.add_metric([sink_id], m.minted)
+            f = m.state.desired_frontier.time
+            p = m.state.persist_frontier.time
+            if f is not None:
+                desired.add_metric([sink_id], f)
+            if p is not None:
+                upper.add_metric([sink_id], p)
+            if f is not None and p is not None:
+                lag.add_metric([sink_id], max(0, f - p))
+        yield from (minted, desired, upper, lag)
+        w_fields = {
+            "desired_updates": "desired updates absorbed",
+            "decode_errors": "desired messages or rows that failed to decode",
+            "contract_violations": "updates below their partition's progress",
+            "batches_staged": "batches staged",
+            "rows_staged": "rows staged",
+        }
+        for field, doc in w_fields.items():
+            c = CounterMetricFamily(f"shardsink_write_{field}", doc, labels=["sink"])
+            for sink_id, w in list(s.writers.items()):
+                c.add_metric([sink_id], getattr(w.metrics, field))
+            yield c
+        for field, doc in (("buffer_updates", "correction buffer updates"), ("buffer_bytes", "correction buffer bytes")):
+            g = GaugeMetricFamily(f"shardsink_write_correction_{field.split('_')[1]}", doc, labels=["sink"])
+            for sink_id, w in list(s.writers.items()):
+                g.add_metric([sink_id], getattr(w.metrics, field))
+            yield g
+        for field, name, doc in (
+            ("appends", "batches", "batches appended"),
+            ("upper_mismatches", "upper_mismatches", "compare_and_append upper mismatches"),
+            ("staged_deleted", "staged_deleted", "staged data objects deleted"),
+        ):
+            c = CounterMetricFamily(f"shardsink_append_{name}", doc, labels=["sink"])
+            for sink_id, a in list(s.appenders.items()):
+                c.add_metric([sink_id], getattr(a.metrics, field))
+            yield c
+        dur = GaugeMetricFamily("shardsink_microbatch_duration_ms", "last micro-batch duration", labels=["query"])
+        for sup in list(getattr(s, "supervisors", [])):
+            for runner in list(sup.running.values()):
+                q = runner.query
+                try:
+                    prog = q.lastProgress if q is not None else None
+                except Exception:  # noqa: BLE001 - a stopped query has no progress
+                    prog = None
+                if prog and "durationMs" in prog:
+                    dur.add_metric([str(prog.get("name") or q.name)], float(prog["durationMs"].get("triggerExecution", 0)))
+        yield dur
+
+
+def start_metrics(services: Any, port: int | None = None) -> int | None:
+    """Serve /metrics on ``port`` (default ``SHARDSINK_METRICS_PORT``; none: no server)."""
+    p = port if port is not None else int(os.environ.get("SHARDSINK_METRICS_PORT", "0") or 0)
+    if not p:
+        return None
+    REGISTRY.register(ServicesCollector(services))
+    start_http_server(p)
+    log.info("metrics on :%d/metrics", p)
+    return p

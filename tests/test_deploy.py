@@ -1,0 +1,236 @@
+"""Keep docker-compose.yml, the Kubernetes manifests and the Dockerfile honest without a
+Docker engine: parse them, check every command, variable, image and port against what the
+services really read and run, then run the very same commands with the very same settings
+against the embedded stack (broker and S3 addresses substituted) and see the sink work.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common import REQUIRED_ENV, ServiceSettings, is_known_env
+from shared.embedded import EmbeddedStack, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+K8S = ROOT / "deploy" / "k8s"
+PROJECT_IMAGE = "shardsink"
+SINK_SERVICES = ("mint", "write", "append")
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def project_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: svc
+        for name, svc in doc["services"].items()
+        if "build" in svc or str(svc.get("image", "")).split(":")[0] == PROJECT_IMAGE
+    }
+
+
+def module_of(command: list[str]) -> str:
+    assert command[:2] == ["python", "-m"], f"expected 'python -m <module>', found {command}"
+    return command[2]
+
+
+def assert_runnable_module(module: str) -> None:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"expected module {module!r} to exist"
+    if spec.submodule_search_locations is not None:  # a package: needs __main__
+        assert importlib.util.find_spec(f"{module}.__main__") is not None, f"expected {module}.__main__"
+
+
+def k8s_docs() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for f in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+# -- static checks ---------------------------------------------------------------------------
+
+
+def test_compose_services_run_existing_commands_with_known_settings() -> None:
+    doc = compose()
+    services = project_services(doc)
+    assert set(SINK_SERVICES) | {"controller"} <= set(services), sorted(services)
+    for name, svc in services.items():
+        assert_runnable_module(module_of(svc["command"]))
+        env = svc["environment"]
+        unknown = [k for k in env if not is_known_env(k)]
+        assert unknown == [], f"{name} sets variables no service reads: {unknown}"
+        missing = [k for k in REQUIRED_ENV if k not in env]
+        assert missing == [], f"{name} lacks required variables {missing}"
+        published = {int(p.split(":")[1]) for p in svc.get("ports", [])}
+        assert int(env["SHARDSINK_METRICS_PORT"]) in published, f"{name}: metrics port not published"
+        assert str(svc.get("image", PROJECT_IMAGE)).split(":")[0] == PROJECT_IMAGE
+    # The addresses the services use are the ones compose's infrastructure provides.
+    env = services["mint"]["environment"]
+    host, port = env["SHARDSINK_KAFKA_BOOTSTRAP"].split(":")
+    assert host in doc["services"] and f"PLAINTEXT://{host}:{port}" in doc["services"][host]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    s3_host = env["SHARDSINK_S3_ENDPOINT"].split("//")[1].split(":")[0]
+    assert s3_host in doc["services"]
+    assert env["AWS_ACCESS_KEY_ID"] == doc["services"][s3_host]["environment"]["MINIO_ROOT_USER"]
+    assert env["AWS_SECRET_ACCESS_KEY"] == doc["services"][s3_host]["environment"]["MINIO_ROOT_PASSWORD"]
+    assert env["SHARDSINK_S3_BUCKET"] in " ".join(doc["services"]["minio-init"]["entrypoint"])
+    # Every topic the services use by default is created by the topics job.
+    defaults = ServiceSettings.from_env_and_args(None, {})
+    script = " ".join(doc["services"]["topics"]["entrypoint"])
+    for topic in (defaults.descs_topic, defaults.batches_topic, defaults.frontiers_topic, "commands", "responses"):
+        assert topic in script, f"topic {topic!r} is not created by the topics job"
+    assert doc["services"]["kafka"]["image"].startswith("apache/kafka:")
+    assert doc["services"]["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
+
+
+def test_kubernetes_manifests_match_the_services() -> None:
+    docs = k8s_docs()
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert all(is_known_env(k) for k in config["data"]), config["data"]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert {f"shardsink-{s}" for s in (*SINK_SERVICES, "controller")} <= set(deployments)
+    image_names = {i["name"] for i in kustomization["images"]}
+    for name, dep in deployments.items():
+        pod = dep["spec"]["template"]
+        (c,) = pod["spec"]["containers"]
+        assert c["image"] in image_names
+        assert_runnable_module(module_of(c["command"]))
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert all(is_known_env(k) for k in env), env
+        assert [r["configMapRef"]["name"] for r in c["envFrom"]] == [config["metadata"]["name"]]
+        available = set(env) | set(config["data"])
+        assert all(k in available for k in REQUIRED_ENV), f"{name} lacks {REQUIRED_ENV}"
+        port = int(env["SHARDSINK_METRICS_PORT"])
+        assert [p["containerPort"] for p in c["ports"]] == [port]
+        assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == port
+        assert c["readinessProbe"]["httpGet"]["port"] == port
+        # Credentials come from the mounted secret, never from plain env values.
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert vols["s3-credentials"]["secret"]["secretName"] == secret["metadata"]["name"]
+        for var, key in (("AWS_ACCESS_KEY_ID_FILE", "access-key"), ("AWS_SECRET_ACCESS_KEY_FILE", "secret-key")):
+            assert env[var] == f"{mounts['s3-credentials']}/{key}" and key in secret["stringData"]
+        assert "AWS_SECRET_ACCESS_KEY" not in env
+
+
+def test_dockerfile_copies_what_the_services_import_and_sets_known_settings() -> None:
+    lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines()]
+    copied = {ln.split()[1] for ln in lines if ln.startswith("COPY ")}
+    for needed in ("shared", "services", "schemas", "pyproject.toml"):
+        assert needed in copied, f"Dockerfile does not copy {needed}"
+        assert (ROOT / needed).exists()
+    env_line = " ".join(ln for ln in lines if ln.startswith("ENV") or ln.startswith("SHARDSINK") or ln.startswith("PYSPARK"))
+    names = [tok.split("=")[0] for tok in env_line.replace("ENV", " ").replace("\\", " ").split() if "=" in tok]
+    assert names and all(is_known_env(n) for n in names), names
+    assert "openjdk-17" in " ".join(lines)
+
+
+# -- the same commands, run against the embedded stack ---------------------------------------
+
+SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}, {"name": "v", "type": "string"}]}
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: EmbeddedStack, tmp_path: Path, unique_id: str) -> None:
+    from services.cli_catalog import create_collection
+    from shared.catalog import SinkDef
+    from shared.io.desired_producer import DesiredProducer
+    from shared.io.kafka_admin import ensure_topic
+    from shared.shard import Shard
+
+    services = project_services(compose())
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ports: dict[str, int] = {}
+    logs: dict[str, Path] = {}
+    col, topic, sink = f"c-{unique_id}", f"d-{unique_id}", f"s-{unique_id}"
+    base_env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    for k in ("SHARDSINK_METRICS_PORT",):
+        base_env.pop(k, None)
+    settings = ServiceSettings.from_env_and_args(None, {**base_env, **stack.env()})
+    create_collection(settings, col, SCHEMA)
+    ensure_topic(settings.kafka, topic, 2)
+    settings.catalog().create_sink(SinkDef(sink, topic, col))
+    try:
+        for name in SINK_SERVICES:
+            svc = services[name]
+            env = {**base_env, **{k: str(v) for k, v in svc["environment"].items()}}
+            # Substitute only the addresses and the host paths; everything else as deployed.
+            env["SHARDSINK_KAFKA_BOOTSTRAP"] = stack.bootstrap_servers
+            env["SHARDSINK_S3_ENDPOINT"] = stack.s3_endpoint
+            env["SHARDSINK_CHECKPOINT_DIR"] = str(tmp_path / name)
+            ports[name] = free_port()
+            env["SHARDSINK_METRICS_PORT"] = str(ports[name])
+            env["SHARDSINK_CATALOG_POLL_MS"] = "300"
+            cmd = [sys.executable if c == "python" else c for c in svc["command"]] + ["--sink", sink]
+            logs[name] = tmp_path / f"{name}.log"
+            procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(logs[name], "wb"), stderr=subprocess.STDOUT)
+        producer = DesiredProducer(settings.kafka, topic, SCHEMA)
+        model: collections.Counter[tuple[int, str]] = collections.Counter()
+        rng = random.Random(3)
+        shard = Shard.open(settings.store(), col)
+        for step in range(1, 4):
+            for _ in range(40):
+                k = rng.randrange(20)
+                d = -1 if model[(k, "v")] > 0 and rng.random() < 0.3 else 1
+                producer.send({"k": k, "v": "v"}, step * 10, d)
+                model[(k, "v")] += d
+            producer.advance_to(step * 10 + 1)
+            deadline = time.monotonic() + 150
+            while (shard.refresh().upper.time or 0) < step * 10 + 1:
+                dead = [n for n, p in procs.items() if p.poll() is not None]
+                assert not dead, f"services exited: {dead}: {[logs[n].read_text()[-2000:] for n in dead]}"
+                assert time.monotonic() < deadline, f"shard upper stuck at {shard.refresh().upper}"
+                time.sleep(0.2)
+            snap = shard.snapshot(step * 10)
+            assert {(r["k"], r["v"]): r["_diff"] for r in snap.to_pylist()} == {kv: c for kv, c in model.items() if c}
+        producer.close()
+        metrics = {name: _scrape(port) for name, port in ports.items()}
+        assert f'shardsink_descriptions_minted_total{{sink="{sink}"}}' in metrics["mint"]
+        assert f'shardsink_write_desired_updates_total{{sink="{sink}"}} 120.0' in metrics["write"]
+        assert f'shardsink_append_batches_total{{sink="{sink}"}}' in metrics["append"]
+        for name, p in procs.items():
+            p.send_signal(signal.SIGTERM)
+        for name, p in procs.items():
+            assert p.wait(timeout=60) == 0, f"{name} did not stop cleanly: {logs[name].read_text()[-2000:]}"
+        # Logs are structured JSON and never contain the secret.
+        for name, path in logs.items():
+            text = path.read_text()
+            assert services[name]["environment"]["AWS_SECRET_ACCESS_KEY"] not in text
+            assert f'"sink_id": "{sink}"' in text
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.docker
+def test_compose_stack_starts_with_docker() -> None:
+    """The compose file itself, with a Docker engine (none runs on the CI machines)."""
+    import shutil
+
+    if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        pytest.skip("no Docker engine on this machine: compose is checked statically and by running its commands above")
+    subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], check=True)
