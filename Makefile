@@ -37,8 +37,17 @@ bench-shard: $(STAMP)
 bench-kafka: $(STAMP)
 	$(VPY) bench/bench_kafka.py $(ARGS)
 
+## make bench-controller: controller benchmark (peek of 1M rows, subscribe lag, compaction; last line: JSON)
+bench-controller: $(STAMP)
+	$(VPY) bench/bench_controller.py $(ARGS)
+
 lint: $(STAMP)
-	$(VPY) -m ruff check shared services tests bench
+	$(VPY) -m pip install --quiet -e '.[dev]'
+	$(VPY) -m ruff check shared services
+
+typecheck: $(STAMP)
+	$(VPY) -m pip install --quiet -e '.[dev]'
+	$(VPY) -m mypy shared services
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = Shard.open(settings.store(), "orders")
         producer = DesiredProducer(settings.kafka, "orders-desired", SCHEMA)
         rng = random.Random(args.seed)
-        live: dict[int, dict[str, Any]] = {}
+        live: dict[Any, dict[str, Any]] = {}
         model: collections.Counter[str] = collections.Counter()
         next_id = 0
         checks = 0
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 lag = time.monotonic() - advanced
                 lags.append(lag)
                 upper = shard.refresh().upper
-                snap = shard.snapshot(upper.time - 1) if upper.time else None
+                snap = shard.snapshot(upper.time - 1) if upper.time is not None and upper.time > 0 else None
                 rows = 0
                 if snap is not None:
                     got = {}
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                     expected = {k: v for k, v in model.items() if v}
                     checks += 1
                     if got != expected:
-                        failures.append(f"step {step}: shard at {upper.time - 1} differs from the model ({len(got)} vs {len(expected)} rows)")
+                        failures.append(f"step {step}: shard at {upper} differs from the model ({len(got)} vs {len(expected)} rows)")
                 _line(
                     f"  step {step:3d}/{args.steps}  desired frontier {target:>7}  shard upper {upper.time!s:>7}  "
                     f"rows {rows:>6}  lag {lag:5.2f}s  {'ok' if not failures else 'DIVERGED'}"

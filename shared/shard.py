@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -91,7 +91,7 @@ DATA_FORMAT_VERSION = "1"
 DEFAULT_GRACE_MS = 10 * 60 * 1000
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-Updates = pa.Table | Sequence[tuple[Any, ...]]
+Updates: TypeAlias = pa.Table | Sequence[tuple[Any, ...]]
 
 
 def validate_shard_id(shard_id: str) -> str:
@@ -255,7 +255,7 @@ class Shard:
     ) -> Shard:
         """Create the shard (state 0), or open it if it exists with the same schema."""
         shard = cls(store, shard_id, **kw)
-        parsed = parse_row_schema(schema)  # type: ignore[arg-type]
+        parsed = parse_row_schema(schema)
         since_f = since if isinstance(since, Frontier) else Frontier.at(since)
         state = initial_state(shard_id, parsed, since_f, shard.clock(), uuid.uuid4().hex)
         if not shard._log.put_initial(state):

@@ -89,7 +89,7 @@ class SinkAppender:
                     outcome: Committed | UpperMismatch = Committed(a.desc.upper)
                     self.metrics.appends += 1
                 except UpperMismatchError as e:
-                    outcome = UpperMismatch(e.current)
+                    outcome = UpperMismatch(e.fields["current"])
                     self.metrics.upper_mismatches += 1
                 except StagedBatchExpiredError:
                     outcome = UpperMismatch(self.shard.refresh().upper)

@@ -153,8 +153,8 @@ class SinkWriter:
         upper = state.upper
         if upper.time is not None and upper.time > 0 and state.since.less_equal(Frontier.at(upper.time - 1)):
             snap = self.shard.snapshot(upper.time - 1)
-            t = upper.time - 1
-            snap = snap.append_column(TIME, pa.array([t] * snap.num_rows, pa.uint64()))
+            at = upper.time - 1
+            snap = snap.append_column(TIME, pa.array([at] * snap.num_rows, pa.uint64()))
         else:
             snap = self.shard.part_schema.empty_table().select([*self.shard.row_columns, ERROR, DIFF])
             snap = snap.append_column(TIME, pa.array([], pa.uint64()))
@@ -273,7 +273,7 @@ class SinkWriter:
             for ws in self.states:
                 ws.absorb_description(d)
         decisions = [ws.maybe_write() for ws in self.states]
-        futures = []
+        futures: list[tuple[Stage | NothingToWrite, Any]] = []
         for dec in decisions:
             if isinstance(dec, Stage):
                 futures.append((dec, self._pool.submit(self._stage, dec)))
@@ -288,8 +288,7 @@ class SinkWriter:
             else:
                 assert isinstance(dec, NothingToWrite)
                 report = dec.report(now)
-            d = report.to_dict()
-            self.producer.send(self.settings.batches_topic, codec.encode(d), key=self.sink.sink_id.encode())
+            self.producer.send(self.settings.batches_topic, codec.encode(report.to_dict()), key=self.sink.sink_id.encode())
             self.metrics.reports_sent += 1
         self.producer.flush()
 
