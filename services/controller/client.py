@@ -79,7 +79,7 @@ class ControllerClient:
             if m.error() is not None:
                 continue
             try:
-                r = self.resp_codec.decode(m.value())
+                r = self.resp_codec.decode(m.value() or b"")
             except DecodeError:
                 continue
             r["_offset"] = m.offset()

@@ -189,6 +189,7 @@ class Controller:
         self._last_activity = time.monotonic()
         self.producer: ControlProducer | None = None
         self.consumer: Any = None
+        self._probe: Any = None  # a long-lived OffsetProbe (output partition ends)
 
     # ==============================================================================================
     # lifecycle
@@ -247,6 +248,8 @@ class Controller:
                     self.consumer.close()
                 except Exception:  # noqa: BLE001
                     pass
+            if self._probe is not None:
+                self._probe.close()
             if self.producer is not None:
                 try:
                     self.producer.flush(5)
@@ -941,8 +944,9 @@ class Controller:
         from shared.io.kafka import OffsetProbe
 
         msgs = self._step_messages(sid, sub, to, final, lower_kind)
-        with OffsetProbe(self.settings.service.kafka) as probe:
-            offset = probe.ends([(sub["topic"], 0)])[(sub["topic"], 0)]
+        if self._probe is None:
+            self._probe = OffsetProbe(self.settings.service.kafka)
+        offset = self._probe.ends([(sub["topic"], 0)])[(sub["topic"], 0)]
         intent = {"to": to.to_json(), "final": final, "offset": offset, "lower_kind": lower_kind}
 
         def t(s: CatalogState, sec: ControllerSection) -> None:
@@ -1036,9 +1040,9 @@ class Controller:
                 for m in c.consume(num_messages=1000, timeout=0.2):
                     if m.error() is not None:
                         continue
-                    pos = max(pos, int(m.offset()) + 1)
+                    pos = max(pos, int(m.offset() or 0) + 1)
                     try:
-                        if self.sub_codec.decode(m.value())["subscribe_id"] == sid:
+                        if self.sub_codec.decode(m.value() or b"")["subscribe_id"] == sid:
                             n += 1
                     except DecodeError:
                         continue

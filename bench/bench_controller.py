@@ -1,0 +1,207 @@
+"""Benchmark of the controller against the embedded stack (Tansu + moto), controller in-process.
+
+Prints progress on stderr and, as its last stdout line, one JSON object:
+
+- peek_1m_rows_s: a Peek of a 1M-row collection, command sent to response received (the
+  result is a Parquet object on S3; median of 3)
+- subscribe_lag_p50_s / subscribe_lag_p99_s: a shard upper advance (compare_and_append
+  returned) to the progress row for that upper on the subscribe topic (200 small appends)
+- compaction_mb_per_s: Parquet bytes of the batches merged when a read policy moves since
+  past 20 batches of 50k rows, divided by the time from the SetReadPolicy command to the
+  merged state
+
+``--quick`` shrinks every size (for smoke runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import uuid
+
+import pyarrow as pa
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from confluent_kafka import TopicPartition  # noqa: E402
+
+from services.common import ServiceSettings  # noqa: E402
+from services.controller.client import ControllerClient, body_kind  # noqa: E402
+from services.controller.service import Controller, ControllerSettings  # noqa: E402
+from shared.codec import message_codec  # noqa: E402
+from shared.embedded import EmbeddedStack  # noqa: E402
+from shared.io.kafka import new_consumer  # noqa: E402
+from shared.shard import Shard  # noqa: E402
+
+SCHEMA = {
+    "type": "record",
+    "name": "Row",
+    "namespace": "bench",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "name", "type": "string"},
+        {"name": "amount", "type": "double"},
+    ],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench-controller] {msg}", file=sys.stderr, flush=True)
+
+
+def rows_table(start: int, n: int, time_: int) -> pa.Table:
+    return pa.table(
+        {
+            "id": pa.array(range(start, start + n), pa.int64()),
+            "name": pa.array([f"name-{i % 1000}" for i in range(start, start + n)], pa.string()),
+            "amount": pa.array([i * 0.5 for i in range(start, start + n)], pa.float64()),
+            "_time": pa.array([time_] * n, pa.uint64()),
+            "_diff": pa.array([1] * n, pa.int64()),
+        }
+    )
+
+
+def create(client: ControllerClient, cid: str) -> None:
+    r = client.call("CreateCollection", {"collection_id": cid, "row_schema": json.dumps(SCHEMA), "initial_since": 0,
+                                         "read_policy": None})
+    assert body_kind(r) == "Ack", r
+
+
+def bench_peek(client: ControllerClient, store: object, rows: int) -> float:
+    create(client, "peek1m")
+    shard = Shard(store, "peek1m")  # type: ignore[arg-type]
+    step = 250_000
+    for i, off in enumerate(range(0, rows, step)):
+        shard.compare_and_append(rows_table(off, min(step, rows - off), i), i, i + 1)
+    upper = shard.refresh().upper.time or 0
+    log(f"loaded {rows} rows in {len(shard.refresh().batches)} batches")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        r = client.call("Peek", {"collection_id": "peek1m", "as_of": upper - 1}, timeout_s=120)
+        times.append(time.perf_counter() - t0)
+        assert body_kind(r) == "PeekResult", r
+        res = r["body"][1]["result"][1]
+        assert res.get("row_count") == rows, res
+    log(f"peek {rows} rows: {[round(t, 3) for t in times]} s")
+    return statistics.median(times)
+
+
+def bench_subscribe_lag(stack: EmbeddedStack, client: ControllerClient, store: object, n: int) -> tuple[float, float]:
+    create(client, "lag")
+    topic = f"bench-sub-{uuid.uuid4().hex[:8]}"
+    sid = client.send("Subscribe", {"collection_id": "lag", "output_topic": topic, "as_of": 0, "up_to": None,
+                                    "with_snapshot": True})
+    assert body_kind(client.wait(sid)) == "Ack"
+    shard = Shard(store, "lag")  # type: ignore[arg-type]
+    arrivals: dict[int, float] = {}
+    stop = threading.Event()
+    codec = message_codec("subscribe_output")
+
+    def consume() -> None:
+        c = new_consumer(ServiceSettings.from_env_and_args(None, stack.env()).kafka,
+                         **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "5"})
+        c.assign([TopicPartition(topic, 0, 0)])
+        while not stop.is_set():
+            for m in c.consume(num_messages=100, timeout=0.05):
+                if m.error() is None:
+                    msg = codec.decode(m.value())
+                    if msg["progressed"] and msg["time"] is not None:
+                        arrivals.setdefault(msg["time"], time.perf_counter())
+        c.close()
+
+    th = threading.Thread(target=consume, daemon=True)
+    th.start()
+    done: dict[int, float] = {}
+    upper = 0
+    for i in range(n):
+        shard.compare_and_append(rows_table(i * 10, 10, upper), upper, upper + 1)
+        upper += 1
+        done[upper] = time.perf_counter()
+        time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while upper not in arrivals and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    th.join(5)
+    # A progress row covers every upper at or below it (several advances may share one row).
+    lags = []
+    seen = sorted(arrivals)
+    for u, t in done.items():
+        covering = next((p for p in seen if p >= u), None)
+        if covering is not None:
+            lags.append(arrivals[covering] - t)
+    lags.sort()
+    p50 = lags[len(lags) // 2]
+    p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+    log(f"subscribe lag over {len(lags)} advances: p50 {p50:.3f}s p99 {p99:.3f}s")
+    return p50, p99
+
+
+def bench_compaction(client: ControllerClient, store: object, batches: int, rows: int) -> float:
+    create(client, "compact")
+    shard = Shard(store, "compact")  # type: ignore[arg-type]
+    for i in range(batches):
+        shard.compare_and_append(rows_table(i * rows, rows, i), i, i + 1)
+    st = shard.refresh()
+    # The controller's tiered compaction may already have merged some: count what is there.
+    nbytes = sum(p.bytes for b in st.batches for p in b.parts)
+    t0 = time.perf_counter()
+    r = client.call("SetReadPolicy", {"collection_id": "compact", "policy": ("io.shardsink.v1.LagWritesBy",
+                                                                               {"lag": 0, "granularity": None})})
+    assert body_kind(r) == "Ack", r
+    while True:
+        st = shard.refresh()
+        if st.since.time == batches and len([b for b in st.batches if b.upper.less_equal(st.since)]) <= 1:
+            break
+        time.sleep(0.01)
+    dt = time.perf_counter() - t0
+    mb = nbytes / 1e6
+    log(f"compaction: {mb:.1f} MB in {dt:.2f}s ({len(st.batches)} batches left)")
+    return mb / dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    peek_rows = 100_000 if args.quick else 1_000_000
+    lag_n = 30 if args.quick else 200
+    with EmbeddedStack() as stack:
+        env = {**stack.env(), "SHARDSINK_S3_PREFIX": f"bench-{uuid.uuid4().hex[:8]}"}
+        svc = ServiceSettings.from_env_and_args(None, env)
+        u = uuid.uuid4().hex[:8]
+        cs = ControllerSettings(svc, commands_topic=f"commands-{u}", responses_topic=f"responses-{u}",
+                                max_inline_bytes=64 * 1024)
+        controller = Controller(cs).start()
+        client = ControllerClient(svc.kafka, commands_topic=cs.commands_topic, responses_topic=cs.responses_topic)
+        store = svc.store()
+        try:
+            peek_s = bench_peek(client, store, peek_rows)
+            p50, p99 = bench_subscribe_lag(stack, client, store, lag_n)
+            comp = bench_compaction(client, store, 20, 5_000 if args.quick else 50_000)
+        finally:
+            controller.stop()
+            client.close()
+    out = {
+        "peek_1m_rows_s": round(peek_s, 3),
+        "peek_rows": peek_rows,
+        "subscribe_lag_p50_s": round(p50, 4),
+        "subscribe_lag_p99_s": round(p99, 4),
+        "compaction_mb_per_s": round(comp, 2),
+        "quick": args.quick,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
