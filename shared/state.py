@@ -334,14 +334,15 @@ def _expire(readers: tuple[ReaderHold, ...], now_ms: int) -> tuple[ReaderHold, .
     return tuple(r for r in readers if not r.expired(now_ms))
 
 
-def _since_of(current: Frontier, readers: tuple[ReaderHold, ...]) -> Frontier:
-    """since = the meet of the holds, never regressing; unchanged with no holds."""
+def _since_of(current: Frontier, readers: tuple[ReaderHold, ...], upper: Frontier) -> Frontier:
+    """since = the meet of the holds, never regressing, never beyond upper; unchanged with no
+    holds. A hold beyond the upper is remembered: since follows it as the upper advances."""
     if not readers:
         return current
     m = readers[0].since
     for r in readers[1:]:
         m = m.meet(r.since)
-    return current.join(m)
+    return current.join(m.meet(upper))
 
 
 def validate_append_bounds(expected_upper: Frontier, new_upper: Frontier) -> None:
@@ -410,7 +411,7 @@ def apply_append(
         batches=batches,
         recent=recent,
         readers=readers,
-        since=_since_of(state.since, readers),
+        since=_since_of(state.since, readers, new_upper),
         appends=state.appends + 1,
     )
 
@@ -433,7 +434,7 @@ def apply_register_reader(
             expires_ms=None if kind == CRITICAL else now_ms + lease_ms,
         )
     readers = tuple(r for r in readers if r.id != reader_id) + (hold,)
-    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers))
+    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers, state.upper))
 
 
 def apply_heartbeat(state: ShardState, reader_id: str, now_ms: int, token: str) -> ShardState:
@@ -446,7 +447,7 @@ def apply_heartbeat(state: ShardState, reader_id: str, now_ms: int, token: str) 
         )
     renewed = replace(hold, expires_ms=None if hold.kind == CRITICAL else now_ms + hold.lease_ms)
     readers = tuple(renewed if r.id == reader_id else r for r in _expire(state.readers, now_ms))
-    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers))
+    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers, state.upper))
 
 
 def apply_downgrade_since(
@@ -466,14 +467,14 @@ def apply_downgrade_since(
         expires_ms=None if hold.kind == CRITICAL else now_ms + hold.lease_ms,
     )
     readers = tuple(moved if r.id == reader_id else r for r in _expire(state.readers, now_ms))
-    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers))
+    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers, state.upper))
 
 
 def apply_expire_reader(state: ShardState, reader_id: str, now_ms: int, token: str) -> ShardState:
     """Release a hold. With no holds left, since stays where it is."""
     _live(state)
     readers = tuple(r for r in _expire(state.readers, now_ms) if r.id != reader_id)
-    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers))
+    return _next(state, now_ms, token, readers=readers, since=_since_of(state.since, readers, state.upper))
 
 
 def plan_merge(state: ShardState) -> tuple[int, int] | None:

@@ -58,3 +58,19 @@ def test_empty_frontier_is_null() -> None:
 def test_bad_state_objects_raise_format_error(data: bytes) -> None:
     with pytest.raises(FormatError):
         ShardState.decode(data)
+
+
+def test_since_never_passes_upper_and_follows_a_hold_beyond_it() -> None:
+    from shared.state import CRITICAL, apply_append, apply_downgrade_since, apply_register_reader, initial_state
+
+    s = initial_state("x", {"type": "record", "name": "R", "fields": []}, Frontier.at(0), 0, "t0")
+    s = apply_append(s, None, Frontier.at(0), Frontier.at(10), "a1", 0)
+    s = apply_register_reader(s, "ctl", CRITICAL, 0, 0, "t1")
+    s = apply_downgrade_since(s, "ctl", Frontier.at(25), 0, "t2")
+    assert s.since == Frontier.at(10) and s.reader("ctl").since == Frontier.at(25)  # type: ignore[union-attr]
+    check_invariants(s)
+    s = apply_append(s, None, Frontier.at(10), Frontier.at(20), "a2", 0)
+    assert s.since == Frontier.at(20)
+    s = apply_append(s, None, Frontier.at(20), Frontier.at(40), "a3", 0)
+    assert s.since == Frontier.at(25)
+    check_invariants(s)
