@@ -98,3 +98,55 @@ def start_metrics(services: Any, port: int | None = None) -> int | None:
     start_http_server(p)
     log.info("metrics on :%d/metrics", p)
     return p
+
+
+class ControllerCollector(Collector):
+    """Per collection: upper, since, upper - since, batches, rows, bytes (from the shard heads
+    the controller last saw); pending peeks and running subscribes."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[Any]:
+        c = self.controller
+        fams = {
+            name: GaugeMetricFamily(f"shardsink_collection_{name}", doc, labels=["collection"])
+            for name, doc in (
+                ("upper", "shard upper"),
+                ("since", "shard since"),
+                ("since_lag", "upper minus since (history kept, in time units)"),
+                ("batches", "batches in the shard"),
+                ("rows", "rows stored (before consolidation across batches)"),
+                ("bytes", "bytes of data objects"),
+            )
+        }
+        for cid, col in list(c.collections.items()):
+            head = col.shard._log.cached()
+            if head is None:
+                continue
+            if head.upper.time is not None:
+                fams["upper"].add_metric([cid], head.upper.time)
+            if head.since.time is not None:
+                fams["since"].add_metric([cid], head.since.time)
+            if head.upper.time is not None and head.since.time is not None:
+                fams["since_lag"].add_metric([cid], head.upper.time - head.since.time)
+            fams["batches"].add_metric([cid], len(head.batches))
+            fams["rows"].add_metric([cid], head.total_rows())
+            fams["bytes"].add_metric([cid], head.total_bytes())
+        yield from fams.values()
+        peeks = GaugeMetricFamily("shardsink_controller_pending_peeks", "peeks waiting for their time")
+        peeks.add_metric([], len(c.peeks))
+        yield peeks
+        subs = GaugeMetricFamily("shardsink_controller_subscribes", "running subscribes")
+        subs.add_metric([], len(getattr(c.section, "subscribes", {}) or {}))
+        yield subs
+
+
+def start_controller_metrics(controller: Any, port: int | None = None) -> int | None:
+    p = port if port is not None else int(os.environ.get("SHARDSINK_METRICS_PORT", "0") or 0)
+    if not p:
+        return None
+    REGISTRY.register(ControllerCollector(controller))
+    start_http_server(p)
+    log.info("metrics on :%d/metrics", p)
+    return p

@@ -63,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     controller = Controller(settings_from(args))
     stop = threading.Event()
     controller.start()
+    from services.metrics import start_controller_metrics
+
+    start_controller_metrics(controller)
 
     def _h(*_: object) -> None:
         stop.set()
