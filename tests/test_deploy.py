@@ -172,8 +172,10 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
     create_collection(settings, col, SCHEMA)
     ensure_topic(settings.kafka, topic, 2)
     settings.catalog().create_sink(SinkDef(sink, topic, col))
+    for t in ("commands", "responses"):  # compose's topics job creates these
+        ensure_topic(settings.kafka, t, 1)
     try:
-        for name in SINK_SERVICES:
+        for name in (*SINK_SERVICES, "controller"):
             svc = services[name]
             env = {**base_env, **{k: str(v) for k, v in svc["environment"].items()}}
             # Substitute only the addresses and the host paths; everything else as deployed.
@@ -183,7 +185,9 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
             ports[name] = free_port()
             env["SHARDSINK_METRICS_PORT"] = str(ports[name])
             env["SHARDSINK_CATALOG_POLL_MS"] = "300"
-            cmd = [sys.executable if c == "python" else c for c in svc["command"]] + ["--sink", sink]
+            cmd = [sys.executable if c == "python" else c for c in svc["command"]]
+            if name != "controller":
+                cmd += ["--sink", sink]
             logs[name] = tmp_path / f"{name}.log"
             procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(logs[name], "wb"), stderr=subprocess.STDOUT)
         producer = DesiredProducer(settings.kafka, topic, SCHEMA)
@@ -210,6 +214,10 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
         assert f'shardsink_descriptions_minted_total{{sink="{sink}"}}' in metrics["mint"]
         assert f'shardsink_write_desired_updates_total{{sink="{sink}"}} 120.0' in metrics["write"]
         assert f'shardsink_append_batches_total{{sink="{sink}"}}' in metrics["append"]
+        deadline = time.monotonic() + 60
+        while f'shardsink_collection_upper{{collection="{col}"}} 31.0' not in _scrape(ports["controller"]):
+            assert time.monotonic() < deadline, _scrape(ports["controller"])[-2000:]
+            time.sleep(0.5)
         for name, p in procs.items():
             p.send_signal(signal.SIGTERM)
         for name, p in procs.items():
@@ -218,7 +226,8 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
         for name, path in logs.items():
             text = path.read_text()
             assert services[name]["environment"]["AWS_SECRET_ACCESS_KEY"] not in text
-            assert f'"sink_id": "{sink}"' in text
+            if name != "controller":
+                assert f'"sink_id": "{sink}"' in text
     finally:
         for p in procs.values():
             if p.poll() is None:
