@@ -1,8 +1,26 @@
-"""``shardsink collection ...`` and ``shardsink sink ...``: manage the catalog directly.
+"""``shardsink collection ...`` and ``shardsink sink ...``: manage collections and sinks.
 
-These write the catalog on S3 themselves (with the same conditional writes the controller
-uses), for deployments without the controller and for tests. With a controller running, send
-commands to it instead.
+With ``--via controller`` a change is a command to the running controller (it owns the
+catalog, the read holds and the reclaiming of dropped collections) and the CLI waits for its
+answer. ``--via catalog`` writes the catalog on S3 directly (with the same conditional writes
+the controller uses), for deployments without the controller and for tests. The default,
+``--via auto``, is the controller when one has claimed the catalog (a controller epoch is
+recorded), else the catalog.
+
+::
+
+    shardsink collection create orders --schema orders.avsc [--since 0] [--read-policy lag:1000]
+    shardsink collection alter orders --read-policy lag:3600000:60000
+    shardsink collection drop orders
+    shardsink collection list                       # direct catalog/shard reads
+    shardsink sink create orders-sink --topic orders-desired --collection orders [--read-only]
+    shardsink sink allow-writes [orders-sink]       # no id: every sink (controller only)
+    shardsink sink drop orders-sink
+    shardsink sink list
+
+Read policies (``--read-policy``): ``valid-from:T`` (hold since at T; ``valid-from:closed``
+lets it go), ``lag:L[:G]`` (since follows the upper L behind, rounded down to multiples of G,
+default L), several joined by ``,`` for the least of them (``multiple``).
 """
 
 from __future__ import annotations
@@ -21,41 +39,115 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def register(sub: Any) -> None:
-    from services.common import ServiceSettings
+    from services.cli_common import add_connection_args, add_via
 
-    col = sub.add_parser("collection", help="create, list or drop collections (direct catalog access)")
+    col = sub.add_parser(
+        "collection", help="create, alter, drop or list collections",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     csub = col.add_subparsers(dest="collection_cmd", required=True)
     p = csub.add_parser("create", help="create a collection and its shard")
     p.add_argument("collection_id")
     p.add_argument("--schema", required=True, help="Avro record schema file (.avsc) of the rows")
     p.add_argument("--since", type=int, default=0)
-    ServiceSettings.add_arguments(p)
+    p.add_argument("--read-policy", default=None, help="valid-from:T | lag:L[:G] | A,B (default valid-from:SINCE)")
+    add_via(p)
+    add_connection_args(p)
     p.set_defaults(func=_collection_create)
+    p = csub.add_parser("alter", help="change a collection's read policy")
+    p.add_argument("collection_id")
+    p.add_argument("--read-policy", required=True, help="valid-from:T | lag:L[:G] | A,B")
+    add_via(p)
+    add_connection_args(p)
+    p.set_defaults(func=_collection_alter)
+    p = csub.add_parser("drop", help="drop a collection (its id is never reused)")
+    p.add_argument("collection_id")
+    add_via(p)
+    add_connection_args(p)
+    p.set_defaults(func=_collection_drop)
     p = csub.add_parser("list", help="list collections with upper, since and batch counts")
-    ServiceSettings.add_arguments(p)
+    add_connection_args(p, controller=False)
     p.set_defaults(func=_collection_list)
 
-    sk = sub.add_parser("sink", help="create, drop, allow writes on, or list sinks (direct catalog access)")
+    sk = sub.add_parser(
+        "sink", help="create, drop, allow writes on, or list sinks",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ssub = sk.add_subparsers(dest="sink_cmd", required=True)
     p = ssub.add_parser("create", help="register a sink: desired topic -> collection")
     p.add_argument("sink_id")
     p.add_argument("--topic", required=True, help="the desired topic")
     p.add_argument("--collection", required=True)
-    p.add_argument("--as-of", type=int, default=0)
+    p.add_argument("--as-of", type=int, default=None, help="start time (default: the collection's upper; 0 via catalog)")
     p.add_argument("--read-only", action="store_true")
-    ServiceSettings.add_arguments(p)
+    add_via(p)
+    add_connection_args(p)
     p.set_defaults(func=_sink_create)
-    for name, fn, hlp in (
-        ("drop", _sink_drop, "drop a sink"),
-        ("allow-writes", _sink_allow, "leave read-only mode"),
-    ):
-        p = ssub.add_parser(name, help=hlp)
-        p.add_argument("sink_id")
-        ServiceSettings.add_arguments(p)
-        p.set_defaults(func=fn)
+    p = ssub.add_parser("drop", help="drop a sink")
+    p.add_argument("sink_id")
+    add_via(p)
+    add_connection_args(p)
+    p.set_defaults(func=_sink_drop)
+    p = ssub.add_parser("allow-writes", help="leave read-only mode")
+    p.add_argument("sink_id", nargs="?", default=None, help="the sink (default: every sink; controller only)")
+    add_via(p)
+    add_connection_args(p)
+    p.set_defaults(func=_sink_allow)
     p = ssub.add_parser("list", help="list sinks")
-    ServiceSettings.add_arguments(p)
+    add_connection_args(p, controller=False)
     p.set_defaults(func=_sink_list)
+
+
+def parse_read_policy(text: str) -> Any:
+    """``valid-from:T`` | ``valid-from:closed`` | ``lag:L[:G]`` | several joined by ``,``."""
+    from shared.errors import InvalidUsageError
+    from shared.frontier import Frontier
+    from shared.read_policy import LagWritesBy, Multiple, ValidFrom
+
+    def one(part: str) -> Any:
+        kind, _, rest = part.strip().partition(":")
+        try:
+            if kind == "valid-from":
+                return ValidFrom(Frontier.empty() if rest == "closed" else Frontier.at(int(rest)))
+            if kind == "lag":
+                lag_s, _, g = rest.partition(":")
+                return LagWritesBy(int(lag_s), int(g) if g else None)
+        except ValueError:
+            pass
+        raise InvalidUsageError(
+            f"expected a read policy valid-from:T, valid-from:closed or lag:L[:G], found {part.strip()!r}"
+        )
+
+    parts = [one(p) for p in text.split(",") if p.strip()]
+    if not parts:
+        raise InvalidUsageError(f"expected a read policy, found {text!r}")
+    return parts[0] if len(parts) == 1 else Multiple(tuple(parts))
+
+
+def policy_to_avro(policy: Any) -> tuple[str, dict[str, Any]]:
+    """A read policy as the command schema's union value."""
+    from shared.read_policy import LagWritesBy, Multiple, ValidFrom
+
+    ns = "io.shardsink.v1."
+    if isinstance(policy, ValidFrom):
+        return (ns + "ValidFrom", {"frontier": policy.frontier.to_json()})
+    if isinstance(policy, LagWritesBy):
+        return (ns + "LagWritesBy", {"lag": policy.lag, "granularity": policy.granularity})
+    assert isinstance(policy, Multiple)
+    return (ns + "Multiple", {"policies": [policy_to_avro(p) for p in policy.policies]})
+
+
+def _via_controller(args: argparse.Namespace) -> bool:
+    from services.cli_common import via_controller
+
+    return via_controller(args)
+
+
+def _call(args: argparse.Namespace, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    from services.cli_common import ControllerSession, results
+
+    with ControllerSession(args) as session:
+        return results(session.call(kind, body))
 
 
 def create_collection(settings: Any, collection_id: str, schema: dict[str, Any], since: int = 0) -> None:
@@ -70,10 +162,52 @@ def create_collection(settings: Any, collection_id: str, schema: dict[str, Any],
 
 
 def _collection_create(args: argparse.Namespace) -> int:
-    with open(args.schema, encoding="utf-8") as f:
-        schema = json.load(f)
-    create_collection(_settings(args), args.collection_id, schema, args.since)
+    from services.cli_common import load_schema
+
+    schema = load_schema(args.schema)
+    policy = None if args.read_policy is None else parse_read_policy(args.read_policy)
+    if _via_controller(args):
+        body = {
+            "collection_id": args.collection_id,
+            "row_schema": json.dumps(schema),
+            "initial_since": args.since,
+            "read_policy": None if policy is None else policy_to_avro(policy),
+        }
+        r = _call(args, "CreateCollection", body)
+        print_json({"created": args.collection_id, "since": r.get("since"), "upper": r.get("upper")})
+        return 0
+    s = _settings(args)
+    create_collection(s, args.collection_id, schema, args.since)
+    if policy is not None:
+        s.catalog().alter_collection(args.collection_id, policy.to_json())
     print_json({"created": args.collection_id})
+    return 0
+
+
+def _collection_alter(args: argparse.Namespace) -> int:
+    policy = parse_read_policy(args.read_policy)
+    if _via_controller(args):
+        _call(args, "SetReadPolicy", {"collection_id": args.collection_id, "policy": policy_to_avro(policy)})
+    else:
+        _settings(args).catalog().alter_collection(args.collection_id, policy.to_json())
+    print_json({"altered": args.collection_id, "read_policy": policy.to_json()})
+    return 0
+
+
+def _collection_drop(args: argparse.Namespace) -> int:
+    if _via_controller(args):
+        _call(args, "DropCollection", {"collection_id": args.collection_id})
+    else:
+        from shared.errors import ShardNotFoundError
+        from shared.shard import Shard
+
+        s = _settings(args)
+        s.catalog().drop_collection(args.collection_id)
+        try:  # since and upper to the empty frontier; gc reclaims the objects later
+            Shard(s.store(), args.collection_id).drop()
+        except ShardNotFoundError:
+            pass
+    print_json({"dropped": args.collection_id})
     return 0
 
 
@@ -99,20 +233,39 @@ def _collection_list(args: argparse.Namespace) -> int:
 def _sink_create(args: argparse.Namespace) -> int:
     from shared.catalog import SinkDef
 
+    if _via_controller(args):
+        r = _call(args, "CreateSink", {
+            "sink_id": args.sink_id, "collection_id": args.collection, "desired_topic": args.topic,
+            "as_of": args.as_of, "read_only": bool(args.read_only), "options": {},
+        })
+        print_json({"created": args.sink_id, "as_of": r.get("as_of")})
+        return 0
+    as_of = 0 if args.as_of is None else args.as_of
     _settings(args).catalog().create_sink(
-        SinkDef(args.sink_id, args.topic, args.collection, as_of=args.as_of, read_only=args.read_only)
+        SinkDef(args.sink_id, args.topic, args.collection, as_of=as_of, read_only=args.read_only)
     )
     print_json({"created": args.sink_id})
     return 0
 
 
 def _sink_drop(args: argparse.Namespace) -> int:
-    _settings(args).catalog().drop_sink(args.sink_id)
+    if _via_controller(args):
+        _call(args, "DropSink", {"sink_id": args.sink_id})
+    else:
+        _settings(args).catalog().drop_sink(args.sink_id)
     print_json({"dropped": args.sink_id})
     return 0
 
 
 def _sink_allow(args: argparse.Namespace) -> int:
+    from shared.errors import InvalidUsageError
+
+    if _via_controller(args):
+        r = _call(args, "AllowWrites", {"sink_ids": None if args.sink_id is None else [args.sink_id]})
+        print_json({"allowed_writes": r.get("sink_ids")})
+        return 0
+    if args.sink_id is None:
+        raise InvalidUsageError("expected a sink id with --via catalog, found none")
     _settings(args).catalog().allow_writes(args.sink_id)
     print_json({"allowed_writes": args.sink_id})
     return 0

@@ -20,6 +20,7 @@ _MODULES: tuple[str, ...] = (
     "shared.cli_stack",
     "shared.cli_produce",
     "services.cli_catalog",
+    "services.cli_data",
 )
 
 
@@ -47,10 +48,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except ShardsinkError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        from shared.errors import CommandError
+
+        # A controller's typed answer prints its kind (IdentifierMissing, ReadBeforeSince...).
+        name = str(getattr(e, "kind", "")) if isinstance(e, CommandError) else type(e).__name__
+        print(f"error: {name or type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def print_json(obj: object) -> None:

@@ -1,0 +1,153 @@
+"""What the ``shardsink`` subcommands share: connection flags, a controller session (commands
+out, the answer back, errors as one typed line), a collection's row codec, a tiny progress bar.
+
+Settings come from the same environment variables as the services (``services.common``),
+overridden by flags; the controller's topics from ``SHARDSINK_TOPIC_COMMANDS`` /
+``SHARDSINK_TOPIC_RESPONSES`` (``--commands-topic`` / ``--responses-topic``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from types import TracebackType
+from typing import Any
+
+from shared.cli_util import ProgressBar, load_schema
+from shared.errors import CommandError, KafkaTimeoutError
+
+__all__ = ["ControllerSession", "ProgressBar", "load_schema", "check", "results", "row_codec", "settings"]
+
+#: How long a command waits for its answer by default (``--timeout``).
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def add_connection_args(p: argparse.ArgumentParser, *, controller: bool = True) -> None:
+    from services.common import ServiceSettings
+
+    ServiceSettings.add_arguments(p)
+    if controller:
+        p.add_argument("--commands-topic", help="controller commands topic (SHARDSINK_TOPIC_COMMANDS)")
+        p.add_argument("--responses-topic", help="controller responses topic (SHARDSINK_TOPIC_RESPONSES)")
+        p.add_argument(
+            "--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+            help=f"seconds to wait for the controller's answer (default {DEFAULT_TIMEOUT_S:g})",
+        )
+
+
+def add_via(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--via", choices=("auto", "controller", "catalog"), default="auto",
+        help="controller: a command to the running controller; catalog: write the catalog on S3 directly; "
+        "auto (default): the controller if one has claimed the catalog, else the catalog",
+    )
+
+
+def via_controller(args: argparse.Namespace) -> bool:
+    """Whether ``--via`` (auto: a controller epoch is recorded in the catalog) means the controller."""
+    via = getattr(args, "via", "auto")
+    if via == "auto":
+        return bool(settings(args).catalog().state().controller_epoch > 0)
+    return via == "controller"
+
+
+def settings(args: argparse.Namespace) -> Any:
+    from services.common import ServiceSettings
+
+    return ServiceSettings.from_env_and_args(args)
+
+
+def topics(args: argparse.Namespace) -> tuple[str, str]:
+    cmd = getattr(args, "commands_topic", None) or os.environ.get("SHARDSINK_TOPIC_COMMANDS") or "commands"
+    resp = getattr(args, "responses_topic", None) or os.environ.get("SHARDSINK_TOPIC_RESPONSES") or "responses"
+    return cmd, resp
+
+
+class ControllerSession:
+    """Send commands to the controller and wait for their answers.
+
+    Reads the responses topic from its end as of the session start (never the whole history).
+    An ``Error`` answer raises :class:`CommandError` with ``kind`` (``IdentifierMissing``...),
+    which the CLI prints as ``error: <kind>: <message>`` and exits 2.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from services.controller.client import ControllerClient
+        from shared.io.kafka import OffsetProbe
+        from shared.io.kafka_admin import ensure_topic
+
+        self.settings = settings(args)
+        self.commands_topic, self.responses_topic = topics(args)
+        self.timeout_s = float(getattr(args, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+        kafka = self.settings.kafka
+        ensure_topic(kafka, self.responses_topic, 1)
+        with OffsetProbe(kafka) as probe:
+            start = probe.ends([(self.responses_topic, 0)])[(self.responses_topic, 0)]
+        self.client = ControllerClient(
+            kafka, commands_topic=self.commands_topic, responses_topic=self.responses_topic, from_offset=start
+        )
+
+    def __enter__(self) -> ControllerSession:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def send(self, kind: str, body: dict[str, Any]) -> str:
+        return self.client.send(kind, body)
+
+    def wait(self, command_id: str, kind: str = "command") -> dict[str, Any]:
+        try:
+            r = self.client.wait(command_id, self.timeout_s)
+        except KafkaTimeoutError:
+            raise KafkaTimeoutError(
+                f"expected the controller's answer to {kind} on topic {self.responses_topic!r} within "
+                f"{self.timeout_s:g}s, found none (is the controller running on {self.commands_topic!r}?)",
+                command_id=command_id,
+            ) from None
+        return check(r)
+
+    def call(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.wait(self.send(kind, body), kind)
+
+
+def check(response: dict[str, Any]) -> dict[str, Any]:
+    """The response itself, or :class:`CommandError` for an ``Error`` answer."""
+    from services.controller.client import body_kind
+
+    if body_kind(response) == "Error":
+        b = response["body"][1]
+        fields = {k: _loads(v) for k, v in (b.get("fields") or {}).items()}
+        raise CommandError(b["message"], kind=b["kind"], **{k: v for k, v in fields.items() if k != "kind"})
+    return response
+
+
+def results(response: dict[str, Any]) -> dict[str, Any]:
+    """An ``Ack``'s results, JSON-decoded."""
+    return {k: _loads(v) for k, v in response["body"][1].get("results", {}).items()}
+
+
+def _loads(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def row_codec(settings_: Any, collection_id: str) -> Any:
+    """The row codec of a collection (from the catalog; dropped collections keep their schema)."""
+    from shared.catalog import UnknownCollectionError
+    from shared.codec import RowCodec
+
+    c = settings_.catalog().state().collections.get(collection_id)
+    if c is None:
+        raise UnknownCollectionError(f"expected a collection {collection_id!r}, found none", collection_id=collection_id)
+    return RowCodec(c.schema)
+
+
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, sort_keys=True, default=str), flush=True)
