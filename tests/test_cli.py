@@ -381,3 +381,28 @@ def test_progress_bar_draws_on_request_only() -> None:
             bar.update()
     text = loud.getvalue()
     assert text.endswith("\n") and "append [" in text and "10/10 rows" in text.splitlines()[-1].split("\r")[-1]
+
+
+def test_kafka_secrets_from_mounted_files(tmp_path: Path) -> None:
+    from shared.errors import KafkaConfigError
+    from shared.io.kafka import KafkaSettings, env_options
+
+    pw = tmp_path / "password"
+    pw.write_text("s3cret\n")
+    env = {
+        "SHARDSINK_KAFKA_BOOTSTRAP": "broker:9093",
+        "SHARDSINK_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "SHARDSINK_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "SHARDSINK_KAFKA_SASL_USERNAME": "app",
+        "SHARDSINK_KAFKA_SASL_PASSWORD_FILE": str(pw),
+        "SHARDSINK_KAFKA_SSL_CA_LOCATION": "/ca.pem",
+    }
+    assert env_options(env) == {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+                                "sasl.username": "app", "sasl.password": "s3cret", "ssl.ca.location": "/ca.pem"}
+    conf = KafkaSettings.from_env(env).config()
+    assert conf["sasl.password"] == "s3cret" and conf["bootstrap.servers"] == "broker:9093"
+    # The direct variable wins over the file; an unreadable file is one clear error.
+    assert env_options({**env, "SHARDSINK_KAFKA_SASL_PASSWORD": "direct"})["sasl.password"] == "direct"
+    with pytest.raises(KafkaConfigError, match="SHARDSINK_KAFKA_SASL_PASSWORD_FILE"):
+        env_options({**env, "SHARDSINK_KAFKA_SASL_PASSWORD_FILE": str(tmp_path / "missing")})
+    assert "s3cret" not in repr(KafkaSettings.from_env(env)) and "sasl.username" in repr(KafkaSettings.from_env(env))

@@ -20,6 +20,10 @@ Settings
   ``SHARDSINK_KAFKA_OPTION_<NAME>``     ``<name>``: any other option (``_`` becomes ``.``)
   ====================================  ==========================================
 
+  A variable ending in ``_FILE`` names a file holding the value (a mounted secret), e.g.
+  ``SHARDSINK_KAFKA_SASL_PASSWORD_FILE=/secrets/kafka/password`` sets ``sasl.password`` to the
+  file's contents (trailing newline stripped); the direct variable wins when both are set.
+
   e.g. ``SHARDSINK_KAFKA_SASL_MECHANISM=SCRAM-SHA-512``, ``SHARDSINK_KAFKA_SSL_CA_LOCATION=/ca.pem``,
   ``SHARDSINK_KAFKA_OPTION_CLIENT_ID=mint``. librdkafka option names contain no ``_``, so the
   mapping is unambiguous. Other ``SHARDSINK_KAFKA_*`` variables (topic names and the like used
@@ -86,6 +90,11 @@ class KafkaSettings:
 
     bootstrap: str
     options: tuple[tuple[str, str], ...] = ()
+
+    def __repr__(self) -> str:  # never print secrets (sasl.password, ssl.key.password...)
+        shown = tuple((k, "***" if any(w in k for w in ("password", "secret", "pem", "jaas")) else v)
+                      for k, v in self.options)
+        return f"KafkaSettings(bootstrap={self.bootstrap!r}, options={shown!r})"
 
     def __post_init__(self) -> None:
         if not self.bootstrap or not isinstance(self.bootstrap, str):
@@ -159,19 +168,31 @@ class KafkaSettings:
 def env_options(environ: Mapping[str, str]) -> dict[str, str]:
     """The librdkafka options named by ``SHARDSINK_KAFKA_*`` variables."""
     out: dict[str, str] = {}
+    from_files: dict[str, str] = {}
     for k, v in environ.items():
         if not k.startswith(ENV_PREFIX):
             continue
         rest = k[len(ENV_PREFIX) :]
+        is_file = rest.endswith("_FILE")
+        if is_file:
+            rest = rest[: -len("_FILE")]
         if rest.startswith(_ENV_OPTION_PREFIX):
             name = rest[len(_ENV_OPTION_PREFIX) :]
         elif rest.startswith(_ENV_PASSTHROUGH_PREFIXES):
             name = rest
         else:
             continue
-        if name:
+        if not name:
+            continue
+        if is_file:  # a mounted secret: the value is the file's contents
+            try:
+                with open(v, encoding="utf-8") as f:
+                    from_files[name.lower().replace("_", ".")] = f.read().rstrip("\r\n")
+            except OSError as e:
+                raise KafkaConfigError(f"expected a readable file in {k}, found {v!r}: {e.strerror}") from None
+        else:
             out[name.lower().replace("_", ".")] = v
-    return out
+    return {**from_files, **out}
 
 
 def translate(e: BaseException, what: str) -> KafkaAdapterError:
