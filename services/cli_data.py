@@ -394,7 +394,7 @@ def desired_frontier(kafka: Any, topic: str, window: int = 1000, timeout_s: floa
             for m in c.consume(num_messages=1000, timeout=0.2):
                 if m.error() is not None:
                     continue
-                p = int(m.partition())
+                p = int(m.partition() or 0)
                 pos[p] = max(pos[p], int(m.offset() or 0) + 1)
                 try:
                     d = decode_desired(m.value() or b"")

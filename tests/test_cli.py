@@ -236,6 +236,17 @@ def test_cli_sinks_via_controller_and_catalog(env: ControllerSettings, tmp_path:
     assert run(capsys, "sink", "drop", "cli2-direct", "--via", "catalog")[0] == 0
     code, out, err = run(capsys, "sink", "drop", "cli2-direct")
     assert code == 2 and err.startswith("error: IdentifierMissing: ") and err.count("\n") == 1, err
+    # Collections through the catalog directly: create (with a policy), alter, drop.
+    assert run(capsys, "collection", "create", "cli2c", "--schema", schema, "--since", "4", "--read-policy",
+               "lag:5", "--via", "catalog")[0] == 0
+    assert catalog.state().collection("cli2c").read_policy == {"kind": "lag_writes_by", "lag": 5, "granularity": None}
+    assert Shard(env.service.store(), "cli2c").refresh().since.time == 4
+    assert run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:4,lag:9:3", "--via", "catalog")[0] == 0
+    assert catalog.state().collection("cli2c").read_policy["kind"] == "multiple"
+    assert run(capsys, "collection", "drop", "cli2c", "--via", "catalog")[0] == 0
+    assert catalog.state().collections["cli2c"].dropped and Shard(env.service.store(), "cli2c").refresh().dropped
+    code, out, err = run(capsys, "collection", "list")
+    assert code == 0 and "cli2c" not in out and '"collection": "cli2"' in out
 
 
 def test_cli_produce_csv_and_jsonl_to_the_desired_topic(env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path,
