@@ -22,7 +22,14 @@ SHARDSINK_TRIGGER_MS           --trigger-ms            100
 SHARDSINK_CATALOG_POLL_MS      --catalog-poll-ms       1000
 SHARDSINK_SPARK_MASTER         --master                local[2] (ignored under spark-submit)
 SHARDSINK_STAGED_GRACE_MS      --grace-ms              600000
+SHARDSINK_FAULTS               -                       '' (test only: injected faults)
 =============================  ======================  ==================================
+
+``SHARDSINK_FAULTS`` is for fault campaigns (``bench/chaos.py``) only: a comma-separated list
+of ``name=value`` (see :class:`Faults`), e.g. ``error_p=0.02,lost_ack_p=0.02,latency_ms=5``.
+With it, :meth:`ServiceSettings.store` wraps the S3 store in
+:class:`shared.objectstore.FaultyObjectStore` and :meth:`Faults.wrap_producer` makes the
+control producers report injected delivery errors. Never set it in a deployment.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_WIRE_FORMAT": "single-object (default) or confluent",
     "SHARDSINK_METRICS_PORT": "Prometheus metrics port",
     "PYSPARK_PYTHON": "Python interpreter of the Spark executors",
+    "SHARDSINK_FAULTS": "test only: injected S3 and Kafka producer faults (bench/chaos.py)",
 }
 #: Prefixes of Kafka client options passed through to librdkafka (see shared/io/kafka.py).
 ENV_PREFIXES: tuple[str, ...] = ("SHARDSINK_KAFKA_SASL_", "SHARDSINK_KAFKA_SSL_", "SHARDSINK_KAFKA_OPTION_")
@@ -84,6 +92,92 @@ REQUIRED_ENV: tuple[str, ...] = ("SHARDSINK_KAFKA_BOOTSTRAP", "SHARDSINK_S3_BUCK
 
 def is_known_env(name: str) -> bool:
     return name in ENV_VARS or name.startswith(ENV_PREFIXES)
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Injected faults (test only, env ``SHARDSINK_FAULTS``). Probabilities are per call.
+
+    - ``error_p``: an S3 call fails before it is sent (determinate);
+    - ``lost_ack_p``: an S3 PUT lands, then reports a timeout (indeterminate);
+    - ``timeout_p``: an S3 call reports a timeout without being performed (indeterminate);
+    - ``latency_ms``: up to this much extra latency on every S3 call (uniform);
+    - ``kafka_error_p``: a control message is not produced and its delivery reports an error;
+    - ``kafka_lost_ack_p``: a control message is produced, then its delivery reports an error.
+    """
+
+    error_p: float = 0.0
+    lost_ack_p: float = 0.0
+    timeout_p: float = 0.0
+    latency_ms: float = 0.0
+    kafka_error_p: float = 0.0
+    kafka_lost_ack_p: float = 0.0
+
+    @staticmethod
+    def parse(text: str) -> Faults | None:
+        """``"error_p=0.02,latency_ms=5"`` -> Faults; ``""`` -> None."""
+        if not text.strip():
+            return None
+        names = set(Faults.__dataclass_fields__)
+        values: dict[str, float] = {}
+        for item in text.split(","):
+            name, sep, value = item.strip().partition("=")
+            if not sep or name not in names:
+                raise ValueError(f"expected SHARDSINK_FAULTS items name=value with a name in {sorted(names)}, found {item!r}")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise ValueError(f"expected a number for {name} in SHARDSINK_FAULTS, found {value!r}") from None
+        return Faults(**values)
+
+    def wrap_store(self, store: Any) -> Any:
+        from shared.objectstore import FaultPlan, FaultyObjectStore
+
+        plan = FaultPlan(
+            error_p=self.error_p,
+            lost_ack_p=self.lost_ack_p,
+            timeout_p=self.timeout_p,
+            latency_s=(0.0, self.latency_ms / 1000.0),
+        )
+        return FaultyObjectStore(store, plan)
+
+    def wrap_producer(self, producer: Any) -> Any:
+        if self.kafka_error_p <= 0 and self.kafka_lost_ack_p <= 0:
+            return producer
+        return _FaultyProducer(producer, self.kafka_error_p, self.kafka_lost_ack_p)
+
+
+class _FaultyProducer:
+    """A confluent_kafka Producer whose deliveries sometimes report an injected error."""
+
+    def __init__(self, inner: Any, error_p: float, lost_ack_p: float) -> None:
+        import random
+
+        self._inner = inner
+        self._error_p = error_p
+        self._lost_ack_p = lost_ack_p
+        self._rng = random.Random()
+
+    def produce(self, topic: str, value: Any = None, key: Any = None, on_delivery: Any = None, **kw: Any) -> None:
+        r = self._rng.random()
+        if r < self._error_p + self._lost_ack_p and on_delivery is not None:
+            from confluent_kafka import KafkaError
+
+            err = KafkaError(KafkaError._MSG_TIMED_OUT, "injected delivery error (SHARDSINK_FAULTS)")
+            if r < self._error_p:
+                on_delivery(err, None)  # never produced
+                return
+            self._inner.produce(topic, value=value, key=key, **kw)  # produced, reported failed
+            on_delivery(err, None)
+            return
+        self._inner.produce(topic, value=value, key=key, on_delivery=on_delivery, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def faults_from_env(env: Mapping[str, str] | None = None) -> Faults | None:
+    return Faults.parse((os.environ if env is None else env).get("SHARDSINK_FAULTS", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +194,8 @@ class ServiceSettings:
     grace_ms: int = 600_000
     #: Restrict a service instance to these sinks (empty: all sinks in the catalog).
     only_sinks: tuple[str, ...] = ()
+    #: Test only (``SHARDSINK_FAULTS``): faults injected into the S3 store and control producers.
+    faults: Faults | None = None
 
     def __post_init__(self) -> None:
         if self.trigger_ms < 0 or self.catalog_poll_ms <= 0:
@@ -153,11 +249,15 @@ class ServiceSettings:
             spark_master=pick("master", "SHARDSINK_SPARK_MASTER", "local[2]"),
             grace_ms=int(pick("grace_ms", "SHARDSINK_STAGED_GRACE_MS", "600000")),
             only_sinks=tuple(a.get("sink") or ()),
+            faults=faults_from_env(e),
         )
 
     # -- clients ---------------------------------------------------------------------------
     def store(self) -> S3ObjectStore:
-        return S3ObjectStore(self.s3)
+        store = S3ObjectStore(self.s3)
+        if self.faults is not None:
+            return self.faults.wrap_store(store)  # type: ignore[no-any-return]
+        return store
 
     def catalog(self) -> Catalog:
         return Catalog(self.store())

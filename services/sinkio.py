@@ -131,8 +131,12 @@ class ControlProducer:
     def create(kafka_settings: Any, client_id: str) -> ControlProducer:
         from confluent_kafka import Producer
 
+        from services.common import faults_from_env
+
         conf = kafka_settings.config(**{"enable.idempotence": True, "client.id": client_id, "linger.ms": 2})
-        return ControlProducer(Producer(conf))
+        faults = faults_from_env()  # test only (SHARDSINK_FAULTS): injected delivery errors
+        producer = Producer(conf)
+        return ControlProducer(faults.wrap_producer(producer) if faults is not None else producer)
 
     def _on_delivery(self, err: Any, _msg: Any) -> None:
         if err is not None:
