@@ -786,7 +786,9 @@ class AppendState:
         self._pending_extras: dict[str, list[Any]] = {}
         # Descriptions seen, by token -> (order key, mine?), bounded.
         self._seen: OrderedDict[str, tuple[tuple[int, int], bool]] = OrderedDict()
-        self._appended: OrderedDict[str, None] = OrderedDict()
+        # Appended descriptions, by token -> the staged handles the append committed (a later
+        # report of the same description carries other handles: those are deleted).
+        self._appended: OrderedDict[str, tuple[Any, ...]] = OrderedDict()
         self._remember = remember
         self.known_upper: Frontier | None = None
         self.published: Frontier | None = None
@@ -886,7 +888,9 @@ class AppendState:
         self.in_flight = None
         if isinstance(outcome, Committed):
             self.appends += 1
-            self._appended[desc.token] = None
+            self._appended[desc.token] = tuple(
+                r.staged for r in self._at.reports.values() if r.staged is not None
+            )
             while len(self._appended) > self._remember:
                 self._appended.popitem(last=False)
             # The handles now belong to the shard: forget them, never delete them.
@@ -961,16 +965,23 @@ class AppendState:
     ) -> list[AppendAction]:
         if known is None or not known[1]:
             return []  # not mine, or owner unknown: its appender (or GC) cleans it up
-        if report.desc_token in self._appended:
-            return []  # part of a committed batch
-        return _delete([report.staged], reason)
+        return self._delete_unappended(report.desc_token, [report.staged], reason)
 
     def _reject_pending(self, token: str, mine: bool, reason: str) -> list[AppendAction]:
         pending = self._pending.pop(token, {})
         extras = self._pending_extras.pop(token, [])
-        if not mine or token in self._appended:
+        if not mine:
             return []
-        return _delete([r.staged for r in pending.values()] + extras, reason)
+        return self._delete_unappended(token, [r.staged for r in pending.values()] + extras, reason)
+
+    def _delete_unappended(self, token: str, staged: list[Any], reason: str) -> list[AppendAction]:
+        """Delete ``staged`` handles of description ``token``, except those its committed
+        append holds: a restarted writer's second report of an appended description names
+        other data objects, never appended, which must not be left behind."""
+        committed = self._appended.get(token)
+        if committed is not None:
+            staged = [s for s in staged if s not in committed]
+        return _delete(staged, reason)
 
     def _drop_current(self, reason: str) -> list[AppendAction]:
         at, self._at = self._at, _AtLower()
@@ -993,8 +1004,10 @@ class AppendState:
                 del self._pending[token]
                 extras = self._pending_extras.pop(token, [])
                 known = self._seen.get(token)
-                if known is not None and known[1] and token not in self._appended:
-                    actions += _delete([r.staged for r in slot.values()] + extras, reason)
+                if known is not None and known[1]:
+                    actions += self._delete_unappended(
+                        token, [r.staged for r in slot.values()] + extras, reason
+                    )
         return actions
 
     def _learn_upper(self, upper: Frontier, token: str | None) -> list[AppendAction]:

@@ -401,6 +401,22 @@ def test_a_second_write_of_a_partition_is_deleted() -> None:
     assert deleted(acts) == ["second"]
 
 
+def test_a_second_write_of_a_partition_arriving_after_the_append_is_deleted() -> None:
+    # A restarted writer re-wrote a description that the appender had already appended with
+    # the first writer's parts: the late parts were never appended and must not be left.
+    app = AppendState(SINK, 0)
+    app.absorb_shard_upper(0)
+    d = desc(0, 5, parts=2)
+    app.absorb_description(d)
+    app.absorb_report(BatchReport.for_description(d, 0, "first-0"))
+    r = ready(app.absorb_report(BatchReport.for_description(d, 1, "first-1")))
+    assert r is not None
+    app.on_append_result(d, Committed(Frontier.at(5)))
+    acts = app.absorb_report(BatchReport.for_description(d, 0, "second-0"))
+    acts += app.absorb_report(BatchReport.for_description(d, 1, "first-1"))  # a re-delivery
+    assert deleted(acts) == ["second-0"]
+
+
 def test_conflicting_descriptions_for_one_lower_and_epoch_are_protocol_errors() -> None:
     app = AppendState(SINK, 0)
     app.absorb_description(desc(0, 5))
