@@ -15,7 +15,11 @@ Contract (the seeds' append operator):
 
 Recovery: the state is rebuilt from ``descs`` and ``batches`` (earliest offsets) and the
 shard's upper: descriptions below the upper are outdated and their staged parts are deleted,
-so parts staged before a crash and never appended are cleaned up.
+so parts staged before a crash and never appended are cleaned up. For that, a micro-batch's
+descriptions are absorbed before its reports (a report whose description is unknown cannot
+be told apart from another appender's and is left alone), and the deletions a micro-batch
+decides are carried out together at its end, in one call (a replay decides one per report;
+the storage layer keeps every part a committed batch references).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -68,6 +72,7 @@ class SinkAppender:
     state: AppendState
     producer: ControlProducer
     metrics: AppendMetrics
+    _to_delete: list[StagedBatch] = field(default_factory=list)
 
     @staticmethod
     def create(sink: SinkDef, settings: ServiceSettings) -> SinkAppender:
@@ -106,7 +111,7 @@ class SinkAppender:
                         continue
                 queue.extend(self.state.absorb_shard_upper(self.shard.refresh().upper))
             elif isinstance(a, DeleteStaged):
-                self.metrics.staged_deleted += self.shard.delete_staged(self._handles(a.staged))
+                self._to_delete.extend(self._handles(a.staged))
             elif isinstance(a, PublishUpper):
                 msg = {
                     "shard_id": self.sink.collection_id,
@@ -118,6 +123,13 @@ class SinkAppender:
                 self.producer.send(self.settings.frontiers_topic, message_codec("frontier_update").encode(msg), key=self.sink.collection_id.encode())
         self.producer.flush()
 
+    def delete_decided(self) -> None:
+        """Delete the staged parts decided so far (parts a committed batch references are
+        kept by the storage layer)."""
+        if self._to_delete:
+            batch, self._to_delete = self._to_delete, []
+            self.metrics.staged_deleted += self.shard.delete_staged(batch)
+
     def process(self, table: pa.Table) -> None:
         actions: list[AppendAction] = list(self.state.absorb_shard_upper(self.shard.refresh().upper))
         self.run_actions(actions)
@@ -126,7 +138,10 @@ class SinkAppender:
         kinds = table["kind"].to_pylist()
         topics = table["topic"].to_pylist()
         values = table["value"].to_pylist()
-        for kind, topic, value in zip(kinds, topics, values, strict=True):
+        # Descriptions first: after a restart, the replayed reports of outdated descriptions
+        # are then known to be this appender's and are deleted.
+        rows = sorted(zip(kinds, topics, values, strict=True), key=lambda r: r[1] != self.settings.descs_topic)
+        for kind, topic, value in rows:
             if kind != KIND_CONTROL:
                 continue
             try:
@@ -144,6 +159,7 @@ class SinkAppender:
                 if self.state.in_flight is not None:
                     raise
                 log.warning("skipping a bad control message: %s", e, extra={"sink_id": self.sink.sink_id})
+        self.delete_decided()
         self.metrics.micro_batches += 1
 
 
