@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PYSPARK_PYTHON := $(abspath $(VPY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VPY))
 
-.PHONY: venv test up demo bench-shard bench-kafka bench-sink lint typecheck clean
+.PHONY: venv test up demo bench bench-shard bench-kafka bench-sink bench-controller bench-scale chaos lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -40,6 +40,19 @@ bench-kafka: $(STAMP)
 ## make bench-controller: controller benchmark (peek of 1M rows, subscribe lag, compaction; last line: JSON)
 bench-controller: $(STAMP)
 	$(VPY) bench/bench_controller.py $(ARGS)
+
+## make bench-scale: sink scale curves (writer partitions 1..8, update rate and collection size by 10x; last line: JSON)
+bench-scale: $(STAMP)
+	$(VPY) bench/bench_scale.py $(ARGS)
+
+## make bench: every benchmark vs its baseline, results in bench/results/, plot, BENCHMARKS.md table (ARGS=--quick: smoke run)
+bench: $(STAMP)
+	$(VPY) -m pip install --quiet -e '.[bench]'
+	$(VPY) bench/run_all.py $(ARGS)
+
+## make chaos: fault campaign (SIGKILLs, S3 and Kafka faults, racing replicas) with a history checker (ARGS=--quick: short run)
+chaos: $(STAMP)
+	$(VPY) bench/chaos.py $(ARGS)
 
 lint: $(STAMP)
 	$(VPY) -m pip install --quiet -e '.[dev]'

@@ -90,6 +90,10 @@ def decode_partition(desired_topic: str, row_schema_json: str | None = None) -> 
                             if row_codec is not None:
                                 try:
                                     row = row_codec.upgrade(msg.row)
+                                    # upgrade() passes bytes of the current version through
+                                    # unread: check the body too, or a good header over a bad
+                                    # body would fail every retry of the writer's micro-batch.
+                                    row_codec.decode(row)
                                 except DecodeError as e:
                                     kind, row = KIND_BAD, None
                                     err = f"row does not match the collection schema at {topic}/{part}@{off}: {e}"
