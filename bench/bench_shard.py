@@ -69,12 +69,13 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--appends", type=int, help="1-row appends of the batch-count figure (default 10000, quick 500)")
     args = ap.parse_args()
     n_cas = 100 if args.quick else 500
     big = 20_000 if args.quick else 100_000
     n_big = 3 if args.quick else 10
     snap_rows = 100_000 if args.quick else 1_000_000
-    n_appends = 500 if args.quick else 10_000
+    n_appends = args.appends or (500 if args.quick else 10_000)
 
     out: dict[str, object] = {}
     with EmbeddedStack() as stack:

@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=int(os.environ.get("SHARDSINK_CHAOS_SEED", "7007")))
     ap.add_argument("--switch-after", type=int, help="allow writes on the read-only replica after this many kills (default kills // 3)")
     ap.add_argument("--work-dir", help="logs and checkpoints (default a new /tmp dir)")
+    ap.add_argument("--trigger-ms", type=int, default=500, help="micro-batch trigger of the services (SHARDSINK_TRIGGER_MS; default 500)")
     args = ap.parse_args(argv)
+    # SIGTERM (e.g. a timeout) unwinds like an exception: the services and the stack are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kills_wanted = args.kills if args.kills is not None else (4 if args.quick else 100)
     layout = args.layout or ("combined" if args.quick else "separate")
     switch_after = args.switch_after if args.switch_after is not None else max(1, kills_wanted // 3)
@@ -298,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
             "PYSPARK_DRIVER_PYTHON": sys.executable,
             "SHARDSINK_CHECKPOINT_DIR": str(work / "checkpoints"),
             "SHARDSINK_CATALOG_POLL_MS": "300",
+            "SHARDSINK_TRIGGER_MS": str(args.trigger_ms),
             "SHARDSINK_STAGED_GRACE_MS": str(24 * 3600 * 1000),  # keep every state for the checker
         }
         base_env.pop("SHARDSINK_FAULTS", None)
+        # On a loaded machine Spark's Python workers can take longer than the default 15 s
+        # to connect back; a failed query is restarted, but a storm of them stalls the run.
+        base_env.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.python.authenticate.socketTimeout=120s pyspark-shell")
         svc_env = {**base_env, "SHARDSINK_FAULTS": args.faults}
         clean = ServiceSettings.from_env_and_args(None, base_env)  # the checker's view: no faults
         collection, topic = f"chaos-{run}", f"desired-chaos-{run}"
@@ -425,14 +432,29 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the subscribe did not reach {final}, found {max(progressed, default=None)}")
                 time.sleep(1.0)
-            client.call("CancelSubscribe", {"subscribe_command_id": sub_id}, timeout_s=300)
-            msgs = read_subscribe(stack, sub_topic, sub_id, timeout_s=300)
+            cancel_id = client.send("CancelSubscribe", {"subscribe_command_id": sub_id})
+            deadline = time.monotonic() + 600
+            while not client.responses(cancel_id):
+                reap()  # a controller that exited under faults is restarted and answers
+                client.poll(0.5)
+                if time.monotonic() > deadline:
+                    raise TimeoutError("expected an answer to CancelSubscribe within 600 s")
+            while True:
+                reap()
+                msgs = read_subscribe(stack, sub_topic, sub_id, until_final=False, timeout_s=2.0)
+                if msgs and msgs[-1]["progressed"] and msgs[-1]["time"] is None:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("expected the subscribe's final progress statement within 600 s")
             time.sleep(2.0)  # late appenders: their appends must all fail now
             recorder.stop()
             recorder.poll_once()
-        except (TimeoutError, RuntimeError) as e:
-            log(f"the run did not finish: {e}")
-            summary["error"] = str(e)
+        except Exception as e:  # noqa: BLE001 - reported in the summary, exit code 2
+            import traceback
+
+            traceback.print_exc()
+            log(f"the run did not finish: {e!r}")
+            summary["error"] = repr(e)
             exit_code = 2
         finally:
             stop.set()
