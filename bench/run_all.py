@@ -294,7 +294,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
     fig.suptitle(f"shardsink benchmarks ({res.get('timestamp')}, {res['machine'].get('cores')} cores, "
                  f"load {res['machine'].get('load_avg_1m_start')}{', quick' if res.get('quick') else ''})")
 
@@ -326,18 +326,24 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ("sink freshness p99", g(res, "bench-sink", "freshness_p99_s"), 2.0),
         ("subscribe lag p50", g(res, "bench-controller", "subscribe_lag_p50_s"), None),
         ("subscribe lag p99", g(res, "bench-controller", "subscribe_lag_p99_s"), None),
-        ("CAS p50 (x1000)", (g(res, "bench-shard", "cas_p50_ms") or 0) / 1000 or None, 0.02),
-        ("plain PUT p50 (x1000)", (g(res, "bench-shard", "baseline_put_p50_ms") or 0) / 1000 or None, None),
     ]
-    ax.bar(range(len(lat)), [v or 0 for _, v, _ in lat], color=["C0", "C0", "C2", "C2", "C0", "C1"])
+    ax.bar(range(len(lat)), [v or 0 for _, v, _ in lat], color=["C0", "C0", "C2", "C2"])
     for i, (_, _, t) in enumerate(lat):
         if t is not None:
             ax.plot([i - 0.4, i + 0.4], [t, t], "r--", linewidth=1)
-    ax.set_xticks(range(len(lat)), [n for n, _, _ in lat], fontsize=7, rotation=20)
+    ax.set_xticks(range(len(lat)), [n for n, _, _ in lat], fontsize=8, rotation=15)
     ax.set_ylabel("seconds")
     ax.set_title("freshness and latency (red: target)")
 
-    # 3. writer partitions
+    # 3. compare-and-append vs a plain PUT
+    ax = axes[0][2]
+    ax.bar([0, 1], [g(res, "bench-shard", "cas_p50_ms") or 0, g(res, "bench-shard", "baseline_put_p50_ms") or 0], color=["C0", "C1"])
+    ax.plot([-0.4, 0.4], [20, 20], "r--", linewidth=1)
+    ax.set_xticks([0, 1], ["compare_and_append p50", "plain PUT p50 (baseline)"], fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_title("shard commit latency (red: target)")
+
+    # 4. writer partitions
     ax = axes[1][0]
     parts = g(res, "bench-scale", "partitions") or []
     if parts:
@@ -351,27 +357,44 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("updates/s")
     ax.set_title("sink throughput vs writer partitions")
 
-    # 4. scale curve
+    # 5. rate curve
     ax = axes[1][1]
     rate = g(res, "bench-scale", "rate") or []
-    size = g(res, "bench-scale", "size") or []
     if rate:
-        ax.plot([p["offered_updates_per_s"] for p in rate], [p["achieved_updates_per_s"] for p in rate], "o-", label="achieved updates/s (vs offered)")
-        ax.plot([p["offered_updates_per_s"] for p in rate], [p["offered_updates_per_s"] for p in rate], ":", color="grey", label="offered")
+        xs = [p["offered_updates_per_s"] for p in rate]
+        ax.plot(xs, [p["achieved_updates_per_s"] for p in rate], "o-", label="achieved updates/s")
+        ax.plot(xs, xs, ":", color="grey", label="offered")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("offered updates/s (rate curve)  |  rows (size curve, at 10k/s)")
-        ax.set_ylabel("updates/s")
         ax2 = ax.twinx()
-        ax2.plot([p["offered_updates_per_s"] for p in rate], [p["freshness_p50_s"] or 0 for p in rate], "s--", color="C3", label="freshness p50 (rate)")
-        if size:
-            ax2.plot([p["size"] for p in size], [p["freshness_p50_s"] or 0 for p in size], "^--", color="C4", label="freshness p50 (size)")
-        ax2.set_yscale("log")
-        ax2.set_ylabel("freshness p50, s")
+        ax2.plot(xs, [p["freshness_p50_s"] or 0 for p in rate], "s--", color="C3", label="freshness p50 (s)")
+        ax2.plot(xs, [p["freshness_p99_s"] or 0 for p in rate], "v--", color="C4", label="freshness p99 (s)")
+        ax2.set_ylabel("seconds")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
-    ax.set_title(f"scale curve (knee: rate {g(res, 'bench-scale', 'rate_knee')}, size {g(res, 'bench-scale', 'size_knee')})")
+    ax.set_xlabel("offered updates/s")
+    ax.set_ylabel("updates/s")
+    ax.set_title(f"scale: update rate (knee: {g(res, 'bench-scale', 'rate_knee')})")
+
+    # 6. size curve
+    ax = axes[1][2]
+    size = g(res, "bench-scale", "size") or []
+    if size:
+        xs = [p["size"] for p in size]
+        ax.plot(xs, [p["achieved_updates_per_s"] for p in size], "o-", label="achieved updates/s at 10k/s offered")
+        ax.plot(xs, [p.get("load_updates_per_s") or 0 for p in size], "x-", label="initial load updates/s")
+        ax.set_xscale("log")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [p["freshness_p50_s"] or 0 for p in size], "s--", color="C3", label="freshness p50 (s)")
+        ax2.plot(xs, [p["freshness_p99_s"] or 0 for p in size], "v--", color="C4", label="freshness p99 (s)")
+        ax2.set_ylabel("seconds")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    ax.set_xlabel("collection rows")
+    ax.set_ylabel("updates/s")
+    ax.set_title(f"scale: collection size (knee: {g(res, 'bench-scale', 'size_knee')})")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
