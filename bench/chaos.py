@@ -300,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             "PYSPARK_PYTHON": sys.executable,
             "PYSPARK_DRIVER_PYTHON": sys.executable,
             "SHARDSINK_CHECKPOINT_DIR": str(work / "checkpoints"),
-            "SHARDSINK_CATALOG_POLL_MS": "300",
+            # A failed query is restarted at the next catalog poll: 2 s between restarts keeps
+            # a storm of them (Python workers timing out on a loaded machine) from feeding itself.
+            "SHARDSINK_CATALOG_POLL_MS": "2000",
             "SHARDSINK_TRIGGER_MS": str(args.trigger_ms),
             "SHARDSINK_STAGED_GRACE_MS": str(24 * 3600 * 1000),  # keep every state for the checker
         }

@@ -1,7 +1,7 @@
 """Bad input campaign (issue 7): random and mutated Avro messages and row values against the
 decoders and the controller's command handling.
 
-- Decoders (pure, in-process): the desired-message decoder, every message codec (commands,
+- Decoders (pure, in-process; and coverage-guided with atheris, tests/fuzz/atheris_decoders.py): the desired-message decoder, every message codec (commands,
   responses, control messages, subscribe output), the row codec, and the executor-side
   micro-batch decode of the sink (``services.sinkio.decode_partition``). Valid messages are
   mutated (bit flips, byte replacements, truncations, insertions, splices) or replaced by
@@ -372,6 +372,28 @@ def test_controller_answers_every_mutated_command_and_rejected_ones_leave_the_sh
     assert kinds["Error"] > 0 and undecodable > 0
 
 
+ATHERIS_RUNS = 20_000
+
+
+def test_atheris_coverage_guided_fuzzing_of_the_decoders_finds_no_crash(tmp_path: Any) -> None:
+    """tests/fuzz/atheris_decoders.py for a fixed number of runs from a corpus of valid
+    messages: any exception other than DecodeError (or an accepted row that does not decode)
+    is a crash, reported by a non-zero exit and a crash-* file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    harness = Path(__file__).resolve().parent / "fuzz" / "atheris_decoders.py"
+    proc = subprocess.run(
+        [sys.executable, str(harness), f"-runs={ATHERIS_RUNS}", "-seed=7", f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus")],
+        capture_output=True, text=True, check=False, timeout=600,
+    )
+    crashes = list(Path(tmp_path).glob("crash-*"))
+    assert proc.returncode == 0 and not crashes, f"expected no crash, found exit {proc.returncode}, {crashes}:\n{proc.stderr[-3000:]}"
+    assert f"Done {ATHERIS_RUNS} runs" in proc.stderr
+    TRIED["atheris"] += ATHERIS_RUNS
+
+
 def test_zz_fuzz_campaign_reached_its_input_floor() -> None:
     """Runs last in this module: the number of inputs tried over the campaign."""
     total = sum(TRIED.values())
@@ -379,4 +401,5 @@ def test_zz_fuzz_campaign_reached_its_input_floor() -> None:
     assert TRIED["desired"] >= EXAMPLES and TRIED["row"] >= EXAMPLES and TRIED["sink_decode"] >= EXAMPLES
     assert sum(v for k, v in TRIED.items() if k.startswith("codec:")) >= EXAMPLES
     assert TRIED["controller"] >= ROUNDS * PER_ROUND
-    assert total >= 3000
+    assert TRIED["atheris"] >= ATHERIS_RUNS
+    assert total >= 20_000
