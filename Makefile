@@ -41,6 +41,10 @@ bench-kafka: $(STAMP)
 bench-controller: $(STAMP)
 	$(VPY) bench/bench_controller.py $(ARGS)
 
+## make bench-sink: sink benchmark vs plain Spark, freshness, recovery (last line: JSON figures)
+bench-sink: $(STAMP)
+	$(VPY) bench/bench_sink.py $(ARGS)
+
 ## make bench-scale: sink scale curves (writer partitions 1..8, update rate and collection size by 10x; last line: JSON)
 bench-scale: $(STAMP)
 	$(VPY) bench/bench_scale.py $(ARGS)

@@ -1,0 +1,582 @@
+"""Benchmark of the sink (mint, write, append) on the embedded stack.
+
+Prints progress on stderr and, as its last stdout line, one JSON object:
+
+- ``sink_updates_per_s``: sustained throughput, desired topic to committed shard. The
+  services run warm (``python -m services``: the three queries in one Spark application, the
+  embedded default) and in step; N updates (inserts and retractions over 3 partitions) are
+  produced in progress steps as fast as the producer goes; the figure is N over the time from
+  the first produce until the shard's upper passes the last progress.
+- ``baseline_updates_per_s``: the same measurement for plain Spark Structured Streaming on
+  the same desired topic, in the same run: our Kafka source
+  (``shared.io.spark_kafka.kafka_read_stream``), same Spark settings and trigger as the
+  services, and a ``foreachBatch`` that converts the micro-batch with ``toArrow()`` and PUTs
+  it as one Parquet object with boto3 to the same S3 server (the pyspark wheel has no
+  hadoop-aws, so ``df.write.parquet("s3a://...")`` is not available). Raw records, no decode,
+  no correction, no compare-and-append. Done when every record produced (updates and
+  progress) is in a Parquet object.
+- ``freshness_p50_s`` / ``freshness_p99_s``: at a steady ~10k updates/s (a progress step
+  every 0.5 s), per step the time from ``advance_to`` returning until the shard's upper
+  reaches that frontier. The control messages carry their own timestamps (``minted_at_ms``,
+  ``written_at_ms``, ``updated_at_ms``), so the delay is split into its hops
+  (``freshness_breakdown``): progress -> description minted, minted -> last writer report,
+  last report -> upper published. ``freshness_1k_p50_s`` / ``freshness_1k_p99_s``: the same
+  at ~1k updates/s, a rate far below the sink's throughput: the latency floor of the hops.
+- ``correction_peak_ratio``: peak bytes of the correction buffer during hydration over the
+  collection's Arrow size (``bench/bench_correction.py``'s ``measure_hydration_ratio``).
+- ``recovery_s``: with the services run as three processes (the compose/Kubernetes mode), the
+  write service is SIGKILLed (its whole process group) and restarted at once; the time from
+  the kill until the shard's upper catches up with the first progress step made after it.
+  A restarted writer replays the desired topic from the earliest offset and hydrates from
+  the shard, so the figure grows with ``recovery_topic_updates`` and ``recovery_shard_rows``.
+
+``--quick`` shrinks every size (a smoke run). Figures on a shared 2-core machine are noisy:
+the load average of each phase is reported (``load``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+SCHEMA = {
+    "type": "record",
+    "name": "Order",
+    "namespace": "bench",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "customer", "type": "string"},
+        {"name": "amount", "type": "double"},
+        {"name": "category", "type": "string"},
+    ],
+}
+PARTITIONS = 3
+STEP_TIMES = 10
+CATEGORIES = ["books", "games", "garden", "kitchen", "music", "outdoor", "tools", "toys"]
+
+
+def log(msg: str) -> None:
+    print(f"[bench-sink] {msg}", file=sys.stderr, flush=True)
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Pre-encoded updates (row bytes, diff): mostly inserts of new orders, some retractions
+    of live ones. Produced in progress steps; the frontier only moves forward."""
+
+    producer: Any
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+    live: list[bytes] = field(default_factory=list)
+    next_id: int = 0
+    frontier: int = 0
+    updates: int = 0
+
+    def make(self, n: int, retract: float = 0.15) -> list[tuple[bytes, int]]:
+        out: list[tuple[bytes, int]] = []
+        enc = self.producer.rows.encode
+        for _ in range(n):
+            if self.live and self.rng.random() < retract:
+                i = self.rng.randrange(len(self.live))
+                self.live[i], self.live[-1] = self.live[-1], self.live[i]
+                out.append((self.live.pop(), -1))
+                continue
+            row = {
+                "id": self.next_id,
+                "customer": f"c{self.rng.randrange(100_000)}",
+                "amount": round(self.rng.uniform(0, 1000), 2),
+                "category": self.rng.choice(CATEGORIES),
+            }
+            self.next_id += 1
+            b = enc(row)
+            self.live.append(b)
+            out.append((b, 1))
+        return out
+
+    def send_step(self, updates: list[tuple[bytes, int]]) -> int:
+        """Send updates at times in ``[frontier, frontier + STEP_TIMES)``, then advance the
+        progress past them; returns the new frontier."""
+        lo = self.frontier
+        rnd = self.rng.randrange
+        for b, d in updates:
+            self.producer.send_encoded(b, lo + rnd(STEP_TIMES), d)
+        self.updates += len(updates)
+        self.frontier = lo + STEP_TIMES
+        self.producer.advance_to(self.frontier)
+        return self.frontier
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """A child process in its own process group (so a kill takes its JVM and workers too)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    p: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        with open(self.log_path, "ab") as out:
+            self.p = subprocess.Popen(
+                self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL, wait_s: float = 30.0) -> None:
+        p, self.p = self.p, None
+        if p is None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=wait_s)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM (the services stop their queries), then SIGKILL after 20 s."""
+        self.kill(signal.SIGTERM, wait_s=20.0)
+
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, procs: list[Proc] = (), poll_s: float = 0.02) -> float:  # type: ignore[assignment]
+    t0 = time.monotonic()
+    while not pred():
+        for p in procs:
+            if p.p is not None and not p.alive():
+                raise RuntimeError(f"expected {p.name} running while waiting for {what}, found it exited (log {p.log_path})")
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"expected {what} within {timeout_s}s, found it still pending")
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
+class UpperWatch:
+    """Polls the shard's upper in a thread; remembers when it first reached each value."""
+
+    def __init__(self, shard: Any, poll_s: float = 0.02) -> None:
+        self.shard = shard
+        self.poll_s = poll_s
+        self.upper = 0
+        self.reached: list[tuple[float, int]] = []  # (monotonic, upper) at each advance
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="upper-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                u = self.shard.refresh().upper.time or 0
+            except Exception as e:  # noqa: BLE001 - a transient S3 error: poll again
+                log(f"upper poll failed: {e}")
+                u = self.upper
+            if u > self.upper:
+                self.upper = u
+                self.reached.append((time.monotonic(), u))
+            self._stop.wait(self.poll_s)
+
+    def when(self, frontier: int) -> float | None:
+        for t, u in self.reached:
+            if u >= frontier:
+                return t
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[k]
+
+
+# -- the baseline worker (a child process) --------------------------------------------------------
+
+
+def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
+    """Plain Spark Structured Streaming: Kafka topic -> one Parquet object per micro-batch on S3."""
+    import boto3
+    import pyarrow.parquet as pq
+
+    from services.common import ServiceSettings, spark_session
+    from shared.io.spark_kafka import kafka_read_stream
+
+    settings = ServiceSettings.from_env_and_args(None)
+    spark = spark_session(settings, "bench-baseline")
+    env = os.environ
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=env["SHARDSINK_S3_ENDPOINT"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+    )
+    bucket = settings.s3.bucket
+    out = open(progress_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the query
+
+    def each(batch_df: Any, batch_id: int) -> None:
+        table = batch_df.select("topic", "partition", "offset", "timestamp", "key", "value").toArrow()
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="snappy")
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/batch-{batch_id:08d}.parquet", Body=buf.getvalue())
+        out.write(json.dumps({"batch": batch_id, "rows": table.num_rows, "t": time.time()}) + "\n")
+
+    df = kafka_read_stream(spark, settings.kafka, [topic], starting_offsets="earliest")
+    q = (
+        df.writeStream.foreachBatch(each)
+        .option("checkpointLocation", os.path.join(settings.checkpoint_dir, "baseline", uuid.uuid4().hex[:8]))
+        .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
+        .start()
+    )
+    out.write(json.dumps({"started": True}) + "\n")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set() and q.isActive:
+        time.sleep(0.2)
+    q.stop()
+    spark.stop()
+    return 0
+
+
+def baseline_rows(progress_file: Path) -> int:
+    try:
+        lines = progress_file.read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(json.loads(x).get("rows", 0) for x in lines if x.strip())
+
+
+# -- control messages (for the freshness breakdown) ---------------------------------------------------
+
+
+def read_topic(kafka: Any, topic: str, codec_name: str, sink_id: str) -> list[dict[str, Any]]:
+    from confluent_kafka import TopicPartition
+
+    from shared.codec import message_codec
+    from shared.io.kafka import end_offsets, new_consumer
+
+    codec = message_codec(codec_name)
+    ends = {p: e for p, e in end_offsets(kafka, topic).items() if e > 0}
+    out: list[dict[str, Any]] = []
+    if not ends:
+        return out
+    c = new_consumer(kafka)
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in ends])
+        pos = dict.fromkeys(ends, 0)
+        deadline = time.monotonic() + 120
+        while any(pos[p] < ends[p] for p in ends) and time.monotonic() < deadline:
+            msg = c.poll(0.5)
+            if msg is None or msg.error() is not None:
+                continue
+            pos[msg.partition()] = msg.offset() + 1
+            d = codec.decode(msg.value())
+            if d.get("sink_id") == sink_id:
+                out.append(d)
+    finally:
+        c.close()
+    return out
+
+
+def frontier_time(f: Any) -> int | None:
+    """A frontier as the control messages encode it (``Frontier.to_json``)."""
+    from shared.frontier import Frontier
+
+    return Frontier.from_json(f).time
+
+
+def freshness_breakdown(kafka: Any, settings: Any, sink_id: str, adv: dict[int, float]) -> dict[str, Any]:
+    """Split each step's delay into hops, from the control messages' own timestamps.
+
+    ``adv`` maps a frontier to the wall-clock time its ``advance_to`` returned."""
+    descs = read_topic(kafka, settings.descs_topic, "batch_description", sink_id)
+    reports = read_topic(kafka, settings.batches_topic, "written_batch", sink_id)
+    fronts = read_topic(kafka, settings.frontiers_topic, "frontier_update", sink_id)
+    last_report: dict[str, float] = {}
+    for r in reports:
+        last_report[r["desc_token"]] = max(last_report.get(r["desc_token"], 0.0), r["written_at_ms"] / 1000)
+    published = {f["desc_token"]: f["updated_at_ms"] / 1000 for f in fronts if f.get("desc_token")}
+    to_mint, to_written, to_published, sizes = [], [], [], []
+    for d in descs:
+        up = frontier_time(d["upper"])
+        lo = frontier_time(d["lower"])
+        tok = d["token"]
+        if up not in adv or tok not in published or tok not in last_report:
+            continue
+        minted = d["minted_at_ms"] / 1000
+        to_mint.append(minted - adv[up])
+        to_written.append(last_report[tok] - minted)
+        to_published.append(published[tok] - last_report[tok])
+        if lo is not None and up is not None:
+            sizes.append((up - lo) // STEP_TIMES)
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 3) if xs else None
+
+    return {
+        "appended_descriptions": len(to_mint),
+        "progress_to_minted_p50_s": med(to_mint),
+        "minted_to_last_report_p50_s": med(to_written),
+        "last_report_to_published_p50_s": med(to_published),
+        "steps_per_description_p50": med([float(x) for x in sizes]),
+    }
+
+
+# -- phases -------------------------------------------------------------------------------------------
+
+
+def produce_timed(workload: Workload, batches: list[list[tuple[bytes, int]]]) -> tuple[float, float, int]:
+    """Send pre-made steps as fast as possible. Returns (t0 monotonic, produce seconds,
+    final frontier)."""
+    t0 = time.monotonic()
+    f = workload.frontier
+    for b in batches:
+        f = workload.send_step(b)
+    return t0, time.monotonic() - t0, f
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    ap.add_argument("--updates", type=int, help="updates in the throughput runs (default 200k, quick 30k)")
+    ap.add_argument("--freshness-s", type=float, help="length of the 10k/s freshness run (default 20, quick 10)")
+    ap.add_argument("--hydration-rows", type=int, help="rows of the hydration measurement (default 500k, quick 100k)")
+    ap.add_argument("--profile", action="store_true", help="py-spy the services (and their Python workers) during the sink throughput run")
+    ap.add_argument("--baseline-worker", nargs=3, metavar=("TOPIC", "PREFIX", "PROGRESS_FILE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.baseline_worker:
+        return baseline_worker(*args.baseline_worker)
+
+    from services.cli_catalog import create_collection
+    from services.common import ServiceSettings
+    from services.runner import ensure_control_topics
+    from shared.catalog import SinkDef
+    from shared.embedded import EmbeddedStack
+    from shared.io.desired_producer import DesiredProducer
+    from shared.io.kafka_admin import ensure_topic
+    from shared.shard import Shard
+
+    n_updates = args.updates or (30_000 if args.quick else 200_000)
+    step_updates = 5_000 if args.quick else 10_000
+    fresh_s = args.freshness_s or (10.0 if args.quick else 20.0)
+    hyd_rows = args.hydration_rows or (100_000 if args.quick else 500_000)
+    out: dict[str, Any] = {"quick": args.quick, "updates": n_updates, "partitions": PARTITIONS, "cores": os.cpu_count()}
+    loads: dict[str, float] = {"start": load()}
+    work = Path(os.environ.get("SHARDSINK_BENCH_DIR") or f"/tmp/shardsink-bench-sink-{uuid.uuid4().hex[:8]}")
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"work dir {work}")
+    t_bench = time.monotonic()
+    procs: list[Proc] = []
+
+    with EmbeddedStack() as stack:
+        env = {
+            **os.environ,
+            **stack.env(),
+            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "SHARDSINK_CHECKPOINT_DIR": str(work / "checkpoints"),
+        }  # every other setting at its default (trigger 100 ms, catalog poll 1 s)
+        settings = ServiceSettings.from_env_and_args(None, env)
+        ensure_control_topics(settings)
+        topic, collection, sink_id = "desired-bench", "bench", "bench"
+        ensure_topic(settings.kafka, topic, PARTITIONS)
+        create_collection(settings, collection, SCHEMA)
+        producer = DesiredProducer(settings.kafka, topic, SCHEMA, linger_ms=20)
+        wl = Workload(producer)
+        shard = Shard.open(settings.store(), collection)
+        try:
+            # -- 1. baseline: plain Spark, Kafka -> Parquet on S3 --------------------------------
+            log("baseline: starting plain Spark Structured Streaming (Kafka -> Parquet on S3)")
+            progress = work / "baseline-progress.jsonl"
+            base = Proc(
+                "baseline",
+                [sys.executable, str(REPO / "bench" / "bench_sink.py"), "--baseline-worker", topic, "baseline/run", str(progress)],
+                env,
+                work / "baseline.log",
+            ).start()
+            procs.append(base)
+            warm = wl.make(step_updates)
+            wl.send_step(warm)
+            records = producer.sent_updates + producer.sent_progress
+            wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline's warm-up batch", [base])
+            batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
+            loads["baseline"] = load()
+            t0, prod_s, _ = produce_timed(wl, batches)
+            records = producer.sent_updates + producer.sent_progress
+            wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline to write every record", [base], poll_s=0.01)
+            base_s = time.monotonic() - t0
+            out["baseline_updates_per_s"] = round(n_updates / base_s)
+            out["baseline_seconds"] = round(base_s, 2)
+            out["produce_updates_per_s"] = round(n_updates / prod_s)
+            log(f"baseline: {n_updates} updates in {base_s:.2f}s ({n_updates / base_s:.0f}/s); produced in {prod_s:.2f}s")
+            base.stop()
+
+            # -- 2. the sink, warm and in step: throughput ------------------------------------
+            settings.catalog().create_sink(SinkDef(sink_id, topic, collection))
+            watch = UpperWatch(shard)
+            svc = Proc("services", [sys.executable, "-m", "services", "--sink", sink_id], env, work / "services.log").start()
+            procs.append(svc)
+            log("sink: services starting (all three queries in one application); catching up the baseline's data")
+            wl.send_step(wl.make(step_updates))
+            t_catch = time.monotonic()
+            target = wl.frontier
+            wait_for(lambda: watch.upper >= target, 900, "the sink to catch up", [svc])
+            log(f"sink: in step after {time.monotonic() - t_catch:.1f}s (start + catch-up of {wl.updates} updates)")
+            out["sink_catch_up_s"] = round(time.monotonic() - t_catch, 1)
+            batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
+            loads["sink"] = load()
+            spy = None
+            if args.profile:
+                assert svc.p is not None
+                spy = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(svc.p.pid), "--subprocesses",
+                     "--rate", "50", "--format", "raw", "--output", str(work / "profile-sink.txt"), "--nonblocking"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )
+                time.sleep(2.0)
+            t0, prod_s, final = produce_timed(wl, batches)
+            wait_for(lambda: watch.upper >= final, 900, "the sink to commit every update", [svc], poll_s=0.01)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+                out["profile"] = str(work / "profile-sink.txt")
+            sink_s = (watch.when(final) or time.monotonic()) - t0
+            out["sink_updates_per_s"] = round(n_updates / sink_s)
+            out["sink_seconds"] = round(sink_s, 2)
+            out["sink_produce_s"] = round(prod_s, 2)
+            out["sink_vs_baseline"] = round(out["sink_updates_per_s"] / out["baseline_updates_per_s"], 3)
+            log(f"sink: {n_updates} updates in {sink_s:.2f}s ({n_updates / sink_s:.0f}/s); produced in {prod_s:.2f}s")
+
+            # -- 3. freshness at a steady ~10k updates/s (and at 1k/s: the latency floor) -------
+            def freshness(per_step: int, seconds: float) -> tuple[list[float], float, dict[int, float]]:
+                steps = int(seconds / 0.5)
+                batches = [wl.make(per_step) for _ in range(steps)]
+                adv_mono: dict[int, float] = {}
+                adv_wall: dict[int, float] = {}
+                log(f"freshness: {steps} steps of {per_step} updates every 0.5 s")
+                t_start = time.monotonic()
+                for i, b in enumerate(batches):
+                    f = wl.send_step(b)
+                    adv_mono[f] = time.monotonic()
+                    adv_wall[f] = time.time()
+                    sleep = t_start + (i + 1) * 0.5 - time.monotonic()
+                    if sleep > 0:
+                        time.sleep(sleep)
+                achieved = steps * per_step / (time.monotonic() - t_start)
+                last = max(adv_mono)
+                wait_for(lambda: watch.upper >= last, 900, "the sink to catch up after the freshness run", [svc])
+                return [(watch.when(f) or 0.0) - t for f, t in adv_mono.items()], achieved, adv_wall
+
+            loads["freshness"] = load()
+            fresh, achieved, adv_wall = freshness(5_000, fresh_s)
+            out["freshness_p50_s"] = round(pct(fresh, 0.5), 3)
+            out["freshness_p99_s"] = round(pct(fresh, 0.99), 3)
+            out["freshness_max_s"] = round(max(fresh), 3)
+            out["freshness_rate_updates_per_s"] = round(achieved)
+            out["freshness_breakdown"] = freshness_breakdown(settings.kafka, settings, sink_id, adv_wall)
+            log(f"freshness: p50 {out['freshness_p50_s']}s p99 {out['freshness_p99_s']}s at {achieved:.0f} updates/s; {out['freshness_breakdown']}")
+            loads["freshness_1k"] = load()
+            fresh, achieved, adv_wall = freshness(500, fresh_s / 2)
+            out["freshness_1k_p50_s"] = round(pct(fresh, 0.5), 3)
+            out["freshness_1k_p99_s"] = round(pct(fresh, 0.99), 3)
+            out["freshness_1k_breakdown"] = freshness_breakdown(settings.kafka, settings, sink_id, adv_wall)
+            log(f"freshness at 1k/s: p50 {out['freshness_1k_p50_s']}s p99 {out['freshness_1k_p99_s']}s; {out['freshness_1k_breakdown']}")
+            svc.stop()
+
+            # -- 4. recovery of a SIGKILLed write service (separate processes) -----------------------
+            loads["recovery"] = load()
+            log("recovery: starting mint, write and append as separate processes")
+            sep = {
+                name: Proc(name, [sys.executable, "-m", f"services.{name}", "--sink", sink_id], env, work / f"{name}.log").start()
+                for name in ("mint", "write", "append")
+            }
+            procs.extend(sep.values())
+            stop_bg = threading.Event()
+            lock = threading.Lock()
+
+            def background() -> None:  # a light steady workload: 2k updates/s
+                while not stop_bg.is_set():
+                    with lock:
+                        wl.send_step(wl.make(1_000))
+                    stop_bg.wait(0.5)
+
+            bg = threading.Thread(target=background, daemon=True)
+            bg.start()
+            time.sleep(1.0)
+            target = wl.frontier
+            wait_for(lambda: watch.upper >= target, 900, "the separate services in step", list(sep.values()))
+            time.sleep(2.0)
+            target = wl.frontier
+            wait_for(lambda: watch.upper >= target, 300, "the separate services in step", list(sep.values()))
+            log("recovery: in step; SIGKILL write")
+            out["recovery_topic_updates"] = wl.updates  # what the restarted writer replays
+            out["recovery_shard_rows"] = shard.refresh().total_rows()  # and hydrates from
+            sep["write"].kill()
+            t_kill = time.monotonic()
+            sep["write"].start()
+            with lock:  # the first progress step made after the kill
+                after_kill = wl.send_step(wl.make(1_000))
+            wait_for(lambda: watch.upper >= after_kill, 900, "the sink back in step after the kill", list(sep.values()))
+            out["recovery_s"] = round((watch.when(after_kill) or time.monotonic()) - t_kill, 2)
+            log(f"recovery: back in step {out['recovery_s']}s after the kill")
+            stop_bg.set()
+            bg.join(timeout=10)
+            watch.stop()
+        finally:
+            for p in procs:
+                p.kill()
+
+    # -- 5. correction buffer memory during hydration (no I/O) --------------------------------
+    from bench_correction import measure_hydration_ratio
+
+    loads["hydration"] = load()
+    log(f"correction: hydration of {hyd_rows} rows")
+    hyd = measure_hydration_ratio(hyd_rows)
+    out["correction_peak_ratio"] = hyd["correction_peak_ratio"]
+    out["correction_rows"] = hyd_rows
+    out["correction_seconds"] = hyd["seconds"]
+    out["load"] = loads
+    out["total_s"] = round(time.monotonic() - t_bench, 1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
