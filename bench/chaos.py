@@ -5,8 +5,8 @@ What runs (all on one embedded stack, Tansu + moto):
 - a steady workload: inserts and retractions of ``(k, v)`` rows on a desired topic (2
   partitions), a progress step every 0.5 s, every update recorded in the model;
 - two sink replicas on one shard: sinks ``<run>-a`` (writable) and ``<run>-b`` (created
-  read-only, switched to writing mid-run with ``Catalog.allow_writes``), same desired topic,
-  same collection; they race on every compare-and-append;
+  read-only once a is in step, switched to writing mid-run with ``Catalog.allow_writes``),
+  same desired topic, same collection; they race on every compare-and-append;
 - the services as processes, each in its own process group: ``mint``, ``write``, ``append``
   (``--layout separate``, the compose/Kubernetes mode) or one ``python -m services``
   (``--layout combined``, the embedded default), and the ``controller``;
@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         create_collection(clean, collection, SCHEMA)
         catalog = clean.catalog()
         catalog.create_sink(SinkDef(sink_a, topic, collection))
-        catalog.create_sink(SinkDef(sink_b, topic, collection, read_only=True))
+        # Replica b (read-only) is created once a is in step: starting six queries at once
+        # on a loaded 2-core machine times out Spark's Python workers.
 
         ctl_argv = [sys.executable, "-m", "services.controller", "--commands-topic", commands, "--responses-topic", responses]
         services: dict[str, Service] = {"controller": Service("controller", ctl_argv, svc_env, work / "logs")}
@@ -381,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             producer_thread.start()
             if not wait_upper(2 * STEP_TIMES, 600, "first appends"):
                 raise TimeoutError("the sink never started")
-            log(f"in step (upper {recorder.upper()}); starting the kills")
+            catalog.create_sink(SinkDef(sink_b, topic, collection, read_only=True))
+            log(f"in step (upper {recorder.upper()}); read-only replica {sink_b} created; starting the kills")
             # Every service is hit at least once; the rest at random.
             order = list(victims_pool)
             rng.shuffle(order)

@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated benchmark names (default: all)")
     ap.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the plot and the table from a results file")
     ap.add_argument("--no-markdown", action="store_true", help="do not touch BENCHMARKS.md")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other benchmarks of latest.json (same quick mode): re-run only --only's")
     args = ap.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.render:
@@ -428,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = RESULTS / "logs" / ts
     log_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"timestamp": ts, "quick": args.quick, "machine": machine(), "benchmarks": {}}
+    if args.merge and (RESULTS / "latest.json").exists():
+        prev = json.loads((RESULTS / "latest.json").read_text())
+        if prev.get("quick") == args.quick:
+            res["benchmarks"] = {k: {**v, "from_run": v.get("from_run", prev.get("timestamp"))} for k, v in prev.get("benchmarks", {}).items()}
+            res["merged_from"] = prev.get("timestamp")
     progress = Progress([b.quick_min if args.quick else b.full_min for b in benches])
     t0 = time.monotonic()
     failed = []
@@ -436,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.begin(i, b.name)
             r = run_one(b, args.quick, log_dir)
             res["benchmarks"][b.name] = r
+            r["from_run"] = ts
             if r.get("error"):
                 failed.append(b.name)
             progress.end("FAILED: " + str(r["error"])[:60] if r.get("error") else "ok")
