@@ -341,6 +341,14 @@ class Supervisor:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     restarts: int = 0
+    #: Per sink: consecutive failures and the monotonic time before which no restart is tried.
+    #: Backoff doubles from ``backoff_s`` up to ``max_backoff_s``; a query that stays up for
+    #: ``max_backoff_s`` resets it. Without it, a loaded machine feeds a restart storm.
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    _failures: dict[str, tuple[int, float]] = field(default_factory=dict)
+    _started_at: dict[str, float] = field(default_factory=dict)
 
     def poll_once(self) -> None:
         catalog = self.settings.catalog()
@@ -359,17 +367,25 @@ class Supervisor:
             if want is None or want.epoch != runner.sink.epoch or failed:
                 if failed:
                     exc = runner.query.exception()
-                    log.error("query failed, restarting: %s", exc, extra={"sink_id": sink_id})
+                    n = self._failures.get(sink_id, (0, 0.0))[0]
+                    if self.clock() - self._started_at.get(sink_id, 0.0) > self.max_backoff_s:
+                        n = 0  # it ran long enough: a fresh failure, not a crash loop
+                    delay = min(self.max_backoff_s, self.backoff_s * 2**n)
+                    self._failures[sink_id] = (n + 1, self.clock() + delay)
+                    log.error("query failed, restarting in %.1fs: %s", delay, exc, extra={"sink_id": sink_id})
                     self.restarts += 1
                 self._stop_runner(runner)
                 del self.running[sink_id]
         for sink_id, sink in wanted.items():
             if sink_id not in self.running:
+                if self.clock() < self._failures.get(sink_id, (0, 0.0))[1]:
+                    continue  # backing off after a failure
                 query = self.start_query(sink)
                 if query is None:
                     continue  # not startable yet (e.g. its desired topic does not exist): retry
                 log.info("started %s for sink", self.name, extra={"sink_id": sink_id})
                 self.running[sink_id] = SinkRunner(sink, query)
+                self._started_at[sink_id] = self.clock()
 
     def _stop_runner(self, runner: SinkRunner) -> None:
         try:

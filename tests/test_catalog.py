@@ -110,3 +110,40 @@ def test_racing_handles_lose_no_definition(stack: EmbeddedStack, unique_id: str)
 def test_catalog_state_round_trips() -> None:
     s = CatalogState(seqno=3, collections={"c": CollectionDef("c", SCHEMA, 5, {"lag_writes_by": 10})}, sinks={"s": SinkDef("s", "t", "c", 7, True, False, 2)})
     assert CatalogState.decode(s.encode()) == s
+
+
+def test_supervisor_backs_off_a_failing_query_and_stops_dropped_ones(stack: EmbeddedStack, unique_id: str) -> None:
+    """A query that keeps failing is restarted with growing delays, not on every poll."""
+    from services.common import ServiceSettings, Supervisor
+
+    settings = ServiceSettings.from_env_and_args(None, {**stack.env(), "SHARDSINK_S3_PREFIX": f"sup-{unique_id}"})
+    cat = settings.catalog()
+    cat.create_collection(CollectionDef("c", SCHEMA))
+    cat.create_sink(SinkDef("s", "t", "c"))
+
+    class DeadQuery:
+        isActive = False
+        name = "dead"
+
+        def exception(self) -> str:
+            return "boom"
+
+        def stop(self) -> None:
+            pass
+
+    starts: list[float] = []
+    clock = [0.0]
+    sup = Supervisor(
+        "t", settings, lambda sink: starts.append(clock[0]) or DeadQuery(), backoff_s=1.0, max_backoff_s=8.0, clock=lambda: clock[0]
+    )
+    for step in range(40):  # 20 s of polls every 0.5 s
+        clock[0] = step * 0.5
+        sup.poll_once()
+    # started at 0, then failing: restarts after 1, 2, 4, 8, 8 s delays, not every poll
+    assert len(starts) <= 6, starts
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 8.0, gaps
+    cat.drop_sink("s")
+    clock[0] = 100.0
+    sup.poll_once()
+    assert sup.running == {}
