@@ -46,23 +46,28 @@ def _signed(t: int) -> int:
     return t - 2**64 if t >= 2**63 else t
 
 
-def decode_partition(desired_topic: str, row_schema_json: str | None = None) -> Any:
+def decode_partition(desired_topic: str, row_schema_json: str | None = None, *, progress_only: bool = False) -> Any:
     """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
 
     With ``row_schema_json`` (the collection's row schema), each update's row is also checked
     against the schema and re-encoded with its current version (``RowCodec.upgrade``); a row
     that does not decode becomes a ``bad`` record that keeps its time and diff, so the error
     lands in the error collection at its time.
+
+    With ``progress_only`` (the mint service), updates are dropped without being decoded: a
+    message framed with the current desired schema whose union index byte (right after the
+    10-byte single-object header) is 0 is an update. Everything else is decoded as usual.
     """
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import json
 
-        from shared.codec import RowCodec
+        from shared.codec import MARKER, RowCodec, message_codec
         from shared.desired import DesiredProgress, decode_desired
         from shared.errors import DecodeError
 
         row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
+        update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
 
         for rb in batches:
             topics = rb.column("topic").to_pylist()
@@ -75,6 +80,8 @@ def decode_partition(desired_topic: str, row_schema_json: str | None = None) -> 
                 closed = False
                 if topic != desired_topic:
                     kind, raw = KIND_CONTROL, val
+                elif progress_only and val is not None and val[:11] == update_prefix:
+                    continue
                 else:
                     try:
                         msg = decode_desired(val if val is not None else b"")
@@ -108,11 +115,13 @@ def decode_partition(desired_topic: str, row_schema_json: str | None = None) -> 
     return fn
 
 
-def collect_decoded(df: Any, desired_topic: str | None, *, row_schema_json: str | None = None) -> pa.Table:
+def collect_decoded(
+    df: Any, desired_topic: str | None, *, row_schema_json: str | None = None, progress_only: bool = False
+) -> pa.Table:
     """Decode a micro-batch DataFrame of the Kafka source and bring it to the driver, sorted
     by (topic, partition, offset) so that per-partition order is kept."""
     src = df.select("topic", "partition", "offset", "value")
-    fn = decode_partition(desired_topic or "\0none", row_schema_json)
+    fn = decode_partition(desired_topic or "\0none", row_schema_json, progress_only=progress_only)
     table = src.mapInArrow(fn, DECODED_DDL).toArrow()
     if table.num_rows:
         table = table.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])

@@ -97,7 +97,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     desired_topic = sink.desired_topic
 
     def each(batch_df: Any, batch_id: int) -> None:
-        minter.process(collect_decoded(batch_df, desired_topic))
+        minter.process(collect_decoded(batch_df, desired_topic, progress_only=True))
 
     return (
         df.writeStream.foreachBatch(each)

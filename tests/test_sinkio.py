@@ -1,0 +1,56 @@
+"""The executor-side decode of desired micro-batches (pure: no Spark needed to test it)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from services.sinkio import KIND_BAD, KIND_CONTROL, KIND_PROGRESS, KIND_UPDATE, decode_partition, u64
+from shared.codec import RowCodec
+from shared.desired import encode_progress, encode_update
+from shared.frontier import Frontier
+
+SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]}
+OTHER = {"type": "record", "name": "Other", "fields": [{"name": "s", "type": "string"}]}
+
+
+def _batch(values: list[bytes], topic: str = "d") -> pa.RecordBatch:
+    n = len(values)
+    return pa.RecordBatch.from_pydict(
+        {"topic": [topic] * n, "partition": [0] * n, "offset": list(range(n)), "value": values}
+    )
+
+
+def test_updates_progress_and_bad_messages_are_told_apart_in_order() -> None:
+    good = RowCodec(SCHEMA).encode({"k": 1})
+    alien = RowCodec(OTHER).encode({"s": "x"})
+    values = [
+        encode_update(good, 2**63 + 5, -2),
+        encode_progress(0, Frontier.at(7)),
+        encode_progress(0, Frontier.empty()),
+        encode_update(alien, 3, 1),
+        b"\x00garbage",
+    ]
+    import json
+
+    (out,) = list(decode_partition("d", json.dumps(SCHEMA))([_batch(values)]))
+    rows = out.to_pylist()
+    assert [r["kind"] for r in rows] == [KIND_UPDATE, KIND_PROGRESS, KIND_PROGRESS, KIND_BAD, KIND_BAD]
+    assert rows[0]["row"] == good and u64(rows[0]["time"]) == 2**63 + 5 and rows[0]["diff"] == -2
+    assert rows[1]["frontier"] == 7 and not rows[1]["frontier_closed"]
+    assert rows[2]["frontier_closed"]
+    # A row of another schema keeps its time and diff: it lands in the error collection then.
+    assert rows[3]["time"] == 3 and rows[3]["diff"] == 1 and "schema" in rows[3]["error"]
+    assert rows[4]["time"] is None and "undecodable" in rows[4]["error"]
+
+
+def test_progress_only_drops_updates_undecoded_and_keeps_the_rest() -> None:
+    values = [encode_update(RowCodec(SCHEMA).encode({"k": 1}), 5, 1), encode_progress(0, Frontier.at(9)), b"junk"]
+    (out,) = list(decode_partition("d", progress_only=True)([_batch(values)]))
+    assert out.column("kind").to_pylist() == [KIND_PROGRESS, KIND_BAD]
+    assert out.column("offset").to_pylist() == [1, 2]
+
+
+def test_control_topics_pass_through_raw() -> None:
+    (out,) = list(decode_partition("d")([_batch([b"\x01\x02"], topic="descs")]))
+    assert out.column("kind").to_pylist() == [KIND_CONTROL]
+    assert out.column("value").to_pylist() == [b"\x01\x02"]
