@@ -25,6 +25,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m services.demo $(ARGS)
 
+## make test-all: the suite plus the quick fault campaign
+test-all: $(STAMP)
+	$(VPY) -m pytest -m '' $(ARGS)
+
 ## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground
 up: $(STAMP)
 	$(VPY) -m shared.embedded

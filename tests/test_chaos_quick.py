@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.campaign
 @pytest.mark.timeout(1800)
 def test_quick_fault_campaign_finds_no_divergence(tmp_path: Path) -> None:
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
