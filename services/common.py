@@ -103,7 +103,9 @@ class Faults:
     - ``lost_ack_p``: an S3 PUT lands, then reports a timeout (indeterminate);
     - ``timeout_p``: an S3 call reports a timeout without being performed (indeterminate);
     - ``latency_ms``: up to this much extra latency on every S3 call (uniform);
-    - ``kafka_error_p``: a control message is not produced and its delivery reports an error;
+    - ``kafka_error_p``: a control message is not produced and its delivery reports an error,
+      and so does every later one until the producer is flushed (no gaps, as with an
+      idempotent producer);
     - ``kafka_lost_ack_p``: a control message is produced, then its delivery reports an error.
     """
 
@@ -149,7 +151,11 @@ class Faults:
 
 
 class _FaultyProducer:
-    """A confluent_kafka Producer whose deliveries sometimes report an injected error."""
+    """A confluent_kafka Producer whose deliveries sometimes report an injected error.
+
+    Like an idempotent producer, it never leaves a gap: after an injected error every later
+    message also fails until the next ``flush`` (the tail of the batch is lost, not a message
+    in its middle)."""
 
     def __init__(self, inner: Any, error_p: float, lost_ack_p: float) -> None:
         import random
@@ -158,15 +164,21 @@ class _FaultyProducer:
         self._error_p = error_p
         self._lost_ack_p = lost_ack_p
         self._rng = random.Random()
+        self._failing = False
+
+    def flush(self, *args: Any, **kw: Any) -> Any:
+        self._failing = False
+        return self._inner.flush(*args, **kw)
 
     def produce(self, topic: str, value: Any = None, key: Any = None, on_delivery: Any = None, **kw: Any) -> None:
         r = self._rng.random()
-        if r < self._error_p + self._lost_ack_p and on_delivery is not None:
+        if (self._failing or r < self._error_p + self._lost_ack_p) and on_delivery is not None:
             from confluent_kafka import KafkaError
 
             err = KafkaError(KafkaError._MSG_TIMED_OUT, "injected delivery error (SHARDSINK_FAULTS)")
-            if r < self._error_p:
-                on_delivery(err, None)  # never produced
+            if self._failing or r < self._error_p:
+                self._failing = True
+                on_delivery(err, None)  # never produced, nor is anything after it until flush
                 return
             self._inner.produce(topic, value=value, key=key, **kw)  # produced, reported failed
             on_delivery(err, None)
