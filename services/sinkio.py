@@ -146,7 +146,18 @@ class ControlProducer:
 
         from services.common import faults_from_env
 
-        conf = kafka_settings.config(**{"enable.idempotence": True, "client.id": client_id, "linger.ms": 2})
+        import logging
+
+        # librdkafka's own log lines go through Python logging (delivered on poll/flush) rather
+        # than straight to stderr, so a producer outliving its broker does not spam the console.
+        conf = kafka_settings.config(
+            **{
+                "enable.idempotence": True,
+                "client.id": client_id,
+                "linger.ms": 2,
+                "logger": logging.getLogger("shardsink.kafka.client"),
+            }
+        )
         faults = faults_from_env()  # test only (SHARDSINK_FAULTS): injected delivery errors
         producer = Producer(conf)
         return ControlProducer(faults.wrap_producer(producer) if faults is not None else producer)
