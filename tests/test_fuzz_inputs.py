@@ -310,7 +310,10 @@ def test_controller_answers_every_mutated_command_and_rejected_ones_leave_the_sh
                     data = mutate(client.encode(kind, body)[1], rng, 1)
             else:
                 kind, body = _template(rng, collection, before_upper)
-                _, value = client.encode(kind, body)
+                try:
+                    _, value = client.encode(kind, body)
+                except Exception:  # noqa: BLE001 - an accepted mutation moved the upper to the top of u64: the template itself no longer encodes
+                    value = bytes(rng.randrange(256) for _ in range(40))
                 if r < 0.55:
                     data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 60)))
                 elif r < 0.6:
