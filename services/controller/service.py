@@ -3,14 +3,16 @@
 It owns the catalog (collections, sinks, read policies), a critical reader hold on every
 collection's shard (so since = the meet of the read policy's implied capability and the
 holds of peeks, subscribes and sinks), frontier reporting, peeks, subscribes and drops.
-Not a Spark application: one process, one thread for the loop.
+Not a Spark application: one process, one thread for the loop and one maintenance worker
+that compacts and garbage-collects shards off the loop (a merge of many batches must not
+delay the answer to a peek).
 
 The loop (one iteration)::
 
     consume a few commands (assign()ed partitions, offsets kept in the catalog)
     for each: answer from the command log (a replayed id) or apply it (handle_*)
-    tick: report upper advances, move sinces (then compact and gc), retire waiting peeks,
-          advance subscribes, reclaim dropped collections
+    tick: report upper advances, move sinces (then ask the worker to compact and gc),
+          retire waiting peeks, advance subscribes, reclaim dropped collections
 
 Commit order of a command (every catalog write is fenced by the controller epoch):
 
@@ -84,7 +86,18 @@ from shared.controller_state import (
     subscribe_hold,
     subscribe_step,
 )
-from shared.errors import DecodeError, ShardDroppedError, ShardNotFoundError, ShardsinkError
+from shared.errors import (
+    ConflictRetryError,
+    DecodeError,
+    IndeterminateError,
+    KafkaDeliveryError,
+    KafkaTimeoutError,
+    KafkaUnavailableError,
+    ObjectStoreError,
+    ShardDroppedError,
+    ShardNotFoundError,
+    ShardsinkError,
+)
 from shared.frontier import Frontier
 from shared.objectstore import now_ms
 from shared.read_policy import ValidFrom, policy_from_avro, policy_from_json
@@ -92,6 +105,12 @@ from shared.shard import DIFF, ERROR, TIME, Shard, validate_shard_id
 from shared.state import CRITICAL, ShardState
 
 log = logging.getLogger("shardsink")
+
+#: Failures the controller recovers from by itself (re-running recovery with backoff).
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    ObjectStoreError, IndeterminateError, ConflictRetryError, KafkaUnavailableError, KafkaTimeoutError,
+    KafkaDeliveryError, ConnectionError, TimeoutError,
+)
 
 READER_ID = "controller"
 #: Logged responses larger than this go to an S3 object named in the log.
@@ -163,6 +182,98 @@ def _digest(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()[:32]
 
 
+class Maintenance:
+    """Compaction and gc of shards in one worker thread, off the command loop.
+
+    The loop asks (:meth:`request`); the worker merges (``compact_below_since`` when since
+    moved, then the tiered ``compact``) and collects garbage. A merge commits only if its
+    batches are all still there, so racing appends, other compactors or a drop are safe; a
+    failed job is logged and run again after a pause (backoff up to 30 s). At most one job
+    per collection is pending: requests for a collection already waiting merge into it.
+    """
+
+    def __init__(self, store: Any, grace_ms: int, *, max_merges: int = 8) -> None:
+        self.store = store
+        self.grace_ms = grace_ms
+        self.max_merges = max_merges
+        self._jobs: dict[str, dict[str, bool]] = {}
+        self._shards: dict[str, Shard] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self.jobs_done = 0
+        self.errors = 0
+        self._backoff = 0.5
+        self._thread = threading.Thread(target=self._run, name="controller-maintenance", daemon=True)
+        self._thread.start()
+
+    def request(self, collection_id: str, *, below_since: bool = False, compact: bool = False, gc: bool = False) -> None:
+        with self._cond:
+            job = self._jobs.setdefault(collection_id, {"below_since": False, "compact": False, "gc": False})
+            job["below_since"] |= below_since
+            job["compact"] |= compact
+            job["gc"] |= gc
+            self._cond.notify()
+
+    def forget(self, collection_id: str) -> None:
+        with self._cond:
+            self._jobs.pop(collection_id, None)
+            self._shards.pop(collection_id, None)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._jobs and not self._busy
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                cid = next(iter(self._jobs))
+                job = self._jobs.pop(cid)
+                shard = self._shards.get(cid)
+                if shard is None:
+                    shard = self._shards[cid] = Shard(self.store, cid, grace_ms=self.grace_ms)
+                self._busy = True
+            retry = False
+            try:
+                self._do(cid, shard, job)
+            except (ShardDroppedError, ShardNotFoundError):
+                self.forget(cid)
+            except Exception as e:  # noqa: BLE001 - the job is asked again after a pause
+                self.errors += 1
+                retry = True
+                log.warning("maintenance failed, retrying in %.1fs: %r", self._backoff, e,
+                            extra={"collection_id": cid})
+            with self._cond:
+                self._busy = False
+                self.jobs_done += 1
+                if retry:
+                    self._cond.wait(self._backoff)
+                    self._backoff = min(self._backoff * 2, 30.0)
+                else:
+                    self._backoff = 0.5
+            if retry:
+                self.request(cid, **job)
+
+    def _do(self, cid: str, shard: Shard, job: dict[str, bool]) -> None:
+        if job["below_since"]:
+            shard.compact_below_since()
+        if job["below_since"] or job["compact"]:
+            if shard.compact(max_merges=self.max_merges) >= self.max_merges:
+                self.request(cid, compact=True)  # more to merge: yield to other collections
+        if job["gc"]:
+            shard.gc()
+
+
 @dataclass
 class Controller:
     settings: ControllerSettings
@@ -177,7 +288,7 @@ class Controller:
     def __post_init__(self) -> None:
         s = self.settings.service
         self.store = s.store()
-        self.catalog = Catalog(self.store)
+        self.catalog: Catalog  # opened by recover() (it reads S3: a failure there is retried)
         self.cmd_codec = message_codec("command")
         self.resp_codec = message_codec("response")
         self.sub_codec = message_codec("subscribe_output")
@@ -190,6 +301,7 @@ class Controller:
         self.producer: ControlProducer | None = None
         self.consumer: Any = None
         self._probe: Any = None  # a long-lived OffsetProbe (output partition ends)
+        self.maintenance: Maintenance | None = None
 
     # ==============================================================================================
     # lifecycle
@@ -212,11 +324,28 @@ class Controller:
             self._thread.join(timeout_s)
 
     def _run_guarded(self) -> None:
+        """Run; a transient failure (S3 or Kafka unreachable, an outcome unknown) while
+        recovering or serving restarts from recovery with exponential backoff instead of
+        stopping the process. Anything else stops it (recorded in ``error``)."""
+        backoff = 0.5
         try:
-            self.run()
-        except BaseException as e:  # noqa: BLE001 - recorded for start()/tests, logged
-            self.error = e
-            log.error("controller stopped: %r", e, exc_info=True)
+            while True:
+                try:
+                    self.run()
+                    return
+                except _TRANSIENT as e:
+                    if self._stop.is_set():
+                        return
+                    log.warning("controller: transient failure, recovering again in %.1fs: %r", backoff, e)
+                    if self._stop.wait(backoff):
+                        return
+                    backoff = min(backoff * 2, 30.0)
+                except BaseException as e:  # noqa: BLE001 - recorded for start()/tests, logged
+                    self.error = e
+                    log.error("controller stopped: %r", e, exc_info=True)
+                    return
+        finally:
+            self._ready.set()
 
     def run(self) -> None:
         """Recover, then serve until stopped or fenced."""
@@ -242,19 +371,24 @@ class Controller:
             self.fenced = True
             log.error("fenced out by a newer controller: %s", e)
         finally:
-            self._ready.set()
+            if self.maintenance is not None:
+                self.maintenance.stop()
+                self.maintenance = None
             if self.consumer is not None:
                 try:
                     self.consumer.close()
                 except Exception:  # noqa: BLE001
                     pass
+                self.consumer = None
             if self._probe is not None:
                 self._probe.close()
+                self._probe = None
             if self.producer is not None:
                 try:
                     self.producer.flush(5)
                 except Exception:  # noqa: BLE001
                     pass
+                self.producer = None
 
     # ==============================================================================================
     # recovery (reconciliation with what the catalog and the shards say)
@@ -267,9 +401,12 @@ class Controller:
 
         s = self.settings
         k = s.service.kafka
+        self.collections = {}
+        self.peeks = {}
         ensure_topic(k, s.commands_topic, 1)
         ensure_topic(k, s.responses_topic, 1)
         self.producer = ControlProducer.create(k, "controller")
+        self.catalog = Catalog(self.store)
         # 1. fence out any older controller: from now on its catalog writes fail.
         self.epoch = self.catalog.claim_controller_epoch()
         state = self.catalog.state()
@@ -301,6 +438,7 @@ class Controller:
         self.consumer = new_consumer(k, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "20"})
         self.next_offsets = {p: int(self.section.offsets.get(str(p), 0)) for p in parts}
         self.consumer.assign([TopicPartition(s.commands_topic, p, o) for p, o in self.next_offsets.items()])
+        self.maintenance = Maintenance(self.store, s.service.grace_ms)
 
     def _open_collection(self, c: CollectionDef) -> _Collection:
         shard = Shard.create(self.store, c.collection_id, c.schema, since=c.since, grace_ms=self.settings.service.grace_ms)
@@ -847,13 +985,13 @@ class Controller:
             target = col.caps.since(st.upper)
             hold = st.reader(READER_ID)
             current = hold.since if hold is not None else st.since
-            if current.less_than(target):
+            moved = current.less_than(target)
+            if moved:
                 st = col.shard.downgrade_since(READER_ID, target)
-                col.shard.compact_below_since()
-                col.batches_seen = -1
-            if len(st.batches) != col.batches_seen:
-                col.shard.compact(max_merges=4)
-                col.batches_seen = len(col.shard.head().batches)
+            if moved or len(st.batches) != col.batches_seen:
+                assert self.maintenance is not None
+                self.maintenance.request(cid, below_since=moved, compact=True)
+                col.batches_seen = len(st.batches)
 
     # -- drops -----------------------------------------------------------------------------------
     def _reclaim(self) -> None:
@@ -879,11 +1017,9 @@ class Controller:
         if time.monotonic() - self._last_gc < self.settings.gc_interval_ms / 1000.0:
             return
         self._last_gc = time.monotonic()
+        assert self.maintenance is not None
         for cid in live:
-            try:
-                self.collections[cid].shard.gc()
-            except ShardsinkError as e:
-                log.warning("gc failed: %r", e, extra={"collection_id": cid})
+            self.maintenance.request(cid, gc=True)
         self.catalog.collect(self.settings.service.grace_ms)
 
     def _idle_offsets(self) -> None:

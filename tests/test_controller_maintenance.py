@@ -1,0 +1,129 @@
+"""The controller's maintenance worker (compaction and gc off the command loop) and its
+recovery from transient S3 failures.
+
+The worker is tested on the in-memory store (pure core); the recovery on the embedded stack
+with S3 calls failing (injected) while the controller recovers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+import time
+from typing import Any
+
+import pytest
+
+from services.controller.client import body_kind
+from services.controller.service import Controller, Maintenance
+from shared.embedded import EmbeddedStack
+from shared.objectstore import FaultPlan, FaultyObjectStore, MemoryObjectStore
+from shared.shard import Shard
+from tests.controller_fixture import append_body, client_for, controller_settings, create_body, ok, peek_rows
+
+SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]}
+
+
+def _wait(pred: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def _shard_with_batches(store: Any, n: int) -> Shard:
+    shard = Shard.create(store, "m", SCHEMA)
+    for t in range(n):
+        shard.compare_and_append([({"k": t}, t, 1), ({"k": 1000 + t}, t, 1)], t, t + 1)
+    shard.compare_and_append([], n, n + 1)  # so that the shard is readable at n
+    return shard
+
+
+def _below_since(shard: Shard) -> int:
+    st = shard.refresh()
+    return len([b for b in st.batches if b.upper.less_equal(st.since)])
+
+
+def _contents(shard: Shard, as_of: int) -> list[tuple[int, int]]:
+    tab = shard.snapshot(as_of)
+    return sorted(zip(tab["k"].to_pylist(), tab["_diff"].to_pylist(), strict=True))
+
+
+def test_worker_collapses_history_below_since_and_keeps_contents() -> None:
+    store = MemoryObjectStore()
+    shard = _shard_with_batches(store, 12)
+    before = _contents(shard, 12)
+    shard.register_reader("r", kind="critical")
+    shard.downgrade_since("r", 12)
+    m = Maintenance(store, grace_ms=600_000)
+    try:
+        m.request("m", below_since=True, compact=True)
+        _wait(lambda: m.idle() and m.jobs_done >= 1)
+        assert _below_since(shard) == 1, f"expected one batch below since 12, found {_below_since(shard)}"
+        assert shard.refresh().batches[0].since.time == 12
+        assert _contents(shard, 12) == before
+        assert m.errors == 0
+    finally:
+        m.stop()
+
+
+def test_worker_retries_a_failed_job_until_it_succeeds() -> None:
+    inner = MemoryObjectStore()
+    shard = _shard_with_batches(inner, 6)
+    shard.register_reader("r", kind="critical")
+    shard.downgrade_since("r", 6)
+    faulty = FaultyObjectStore(inner, FaultPlan(error_p=1.0))
+    m = Maintenance(faulty, grace_ms=600_000)
+    try:
+        m.request("m", below_since=True, compact=True)
+        _wait(lambda: m.errors >= 2)
+        assert _below_since(shard) == 6, "expected nothing merged while every S3 call fails"
+        faulty.enabled = False
+        _wait(lambda: _below_since(shard) == 1, timeout_s=60)
+        assert _contents(shard, 6) == sorted([(t, 1) for t in range(6)] + [(1000 + t, 1) for t in range(6)])
+    finally:
+        m.stop()
+
+
+def test_worker_forgets_a_dropped_shard_and_keeps_serving_others() -> None:
+    store = MemoryObjectStore()
+    dropped = Shard.create(store, "gone", SCHEMA)
+    dropped.drop()
+    shard = _shard_with_batches(store, 5)
+    shard.register_reader("r", kind="critical")
+    shard.downgrade_since("r", 5)
+    m = Maintenance(store, grace_ms=600_000)
+    try:
+        m.request("gone", below_since=True, compact=True, gc=True)
+        m.request("m", below_since=True, compact=True)
+        _wait(lambda: m.idle() and m.jobs_done >= 2)
+        assert _below_since(shard) == 1
+        assert m.errors == 0
+    finally:
+        m.stop()
+
+
+@pytest.mark.timeout(180)
+def test_controller_recovers_by_itself_when_s3_fails_during_recovery(stack: EmbeddedStack) -> None:
+    cs = controller_settings(stack)
+    ctl = Controller(cs)
+    faulty = FaultyObjectStore(ctl.store, FaultPlan(error_p=1.0))
+    ctl.store = faulty  # type: ignore[assignment]
+    started = threading.Event()
+    threading.Thread(target=lambda: (ctl.start(), started.set()), daemon=True).start()
+    client = client_for(cs)
+    try:
+        _wait(lambda: faulty.counters.errors >= 3, timeout_s=60)
+        assert ctl.alive() and ctl.error is None, f"expected the controller to keep trying, found {ctl.error!r}"
+        assert not started.is_set(), "expected the controller not to serve before it recovered"
+        faulty.enabled = False
+        assert started.wait(60), "expected the controller to recover once S3 answers"
+        ok(client.call("CreateCollection", create_body("after")))
+        ok(client.call("Append", append_body("after", [({"k": 1, "v": "a"}, 0, 1)], 1, expected=0)))
+        r = client.call("Peek", {"collection_id": "after", "as_of": 0})
+        assert body_kind(r) == "PeekResult", r
+        assert peek_rows(r) == Counter({(1, "a"): 1})
+    finally:
+        ctl.stop()
+        client.close()
+    assert ctl.error is None
