@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PYSPARK_PYTHON := $(abspath $(VPY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VPY))
 
-.PHONY: venv test up demo bench bench-shard bench-kafka bench-sink bench-controller bench-scale chaos lint typecheck clean
+.PHONY: venv test test-fast up demo bench bench-shard bench-kafka bench-sink bench-controller bench-scale chaos lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -25,9 +25,9 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m services.demo $(ARGS)
 
-## make test-all: the suite plus the quick fault campaign
-test-all: $(STAMP)
-	$(VPY) -m pytest -m '' $(ARGS)
+## make test-fast: the suite without the quick chaos and bench campaigns (for a quick loop)
+test-fast: $(STAMP)
+	$(VPY) -m pytest -m 'not campaign' $(ARGS)
 
 ## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground
 up: $(STAMP)

@@ -176,12 +176,19 @@ def run_one(b: Bench, quick: bool, log_dir: Path) -> dict[str, Any]:
     except ValueError:
         tail = log_path.read_text(errors="replace").splitlines()[-5:]
         return {"error": f"expected a JSON object on the last stdout line (exit {proc.returncode}), found {last[:200]!r}; stderr tail: {tail}",
-                "seconds": seconds, "argv": argv[1:], "log": str(log_path.relative_to(REPO))}
+                "seconds": seconds, "argv": argv[1:], "log": _rel(log_path)}
     if proc.returncode != 0:
         figures["error"] = f"exit code {proc.returncode}"
     figures["seconds"] = seconds
     figures["argv"] = argv[1:]
     return figures
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(p.relative_to(REPO))
+    except ValueError:
+        return str(p)
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -412,6 +419,7 @@ def render(res: dict[str, Any], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global RESULTS, BENCHMARKS_MD
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="each benchmark with its quick sizes")
     ap.add_argument("--only", help="comma-separated benchmark names (default: all)")
@@ -419,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-markdown", action="store_true", help="do not touch BENCHMARKS.md")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other benchmarks of latest.json (same quick mode): re-run only --only's")
+    ap.add_argument("--results-dir", type=Path, help=f"where results, logs and the plot go (default {_rel(RESULTS)})")
+    ap.add_argument("--markdown", type=Path, help=f"the file whose marked table is rewritten (default {_rel(BENCHMARKS_MD)})")
     args = ap.parse_args(argv)
+    RESULTS = args.results_dir.resolve() if args.results_dir else RESULTS
+    BENCHMARKS_MD = args.markdown.resolve() if args.markdown else BENCHMARKS_MD
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.render:
         res = json.loads(Path(args.render).read_text())
@@ -459,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(res, png)
     else:
         render(res, png)
-    print(f"results: bench/results/{ts}.json (latest.json, latest.png); {res['total_minutes']} min; failed: {failed or 'none'}", file=sys.stderr)
+    print(f"results: {_rel(RESULTS)}/{ts}.json (latest.json, latest.png); {res['total_minutes']} min; failed: {failed or 'none'}", file=sys.stderr)
     print(json.dumps({"timestamp": ts, "total_minutes": res["total_minutes"], "failed": failed}))
     return 1 if failed else 0
 

@@ -1,4 +1,5 @@
-"""The quick fault campaign (``make chaos ARGS=--quick``) as part of ``make test``.
+"""The quick fault campaign (``make chaos ARGS=--quick``) as part of ``make test`` (about 2.5
+minutes on 2 idle cores).
 
 ``bench/chaos.py --quick`` runs on its own embedded stack: the services (all three in one
 process) and the controller as processes, SIGKILLed a few times at random points, with S3
