@@ -590,7 +590,8 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
     if got_changes != want_changes:
         divergences.append(f"expected the subscribe's output to equal the model's change stream up to {last}: {differ(got_changes, want_changes)}")
 
-    writers = Counter(str(s.meta.get("sink_id", "?")) for s, _ in appends) if appends and hasattr(appends[0][0], "meta") else Counter()
+    # An append's token is its batch description's: "<sink id>:<epoch>:<lower>[:<nonce>]".
+    writers = Counter(t.split(":", 1)[0] for t in tokens)
     summary.update(
         appends=len(appends),
         append_contents_checked=checked_appends,
@@ -600,7 +601,7 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
         subscribe_messages=len(msgs),
         subscribe_changes=sum(got_changes.values()),
         subscribe_last_progress=last,
-        appends_by=dict(writers) if len(writers) > 1 else None,
+        appends_by=dict(writers),
     )
 
 

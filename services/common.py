@@ -268,11 +268,15 @@ class ServiceSettings:
     # -- clients ---------------------------------------------------------------------------
     def store(self) -> S3ObjectStore:
         """One S3 client per settings and process (boto3 clients are thread-safe and costly
-        to build: building one per call dominated the services' CPU profile)."""
-        store = _s3_store(self.s3)
+        to build: building one per call dominated the services' CPU profile), behind a
+        :class:`shared.objectstore.RetryingObjectStore` (a transient error of an idempotent
+        call is retried instead of failing the micro-batch or command)."""
+        from shared.objectstore import RetryingObjectStore
+
+        store: Any = _s3_store(self.s3)
         if self.faults is not None:
-            return self.faults.wrap_store(store)  # type: ignore[no-any-return]
-        return store
+            store = self.faults.wrap_store(store)
+        return RetryingObjectStore(store)  # type: ignore[return-value]
 
     def catalog(self) -> Catalog:
         return Catalog(self.store())

@@ -195,3 +195,66 @@ class FaultyObjectStore:
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
         self._roll(prefix, "list")
         return self.inner.list(prefix, start_after)
+
+
+@dataclass
+class RetryingObjectStore:
+    """Retries a call that failed transiently when retrying it is safe, so that a blip of the
+    object store does not fail a whole micro-batch or command.
+
+    - ``get``, ``exists``, ``list``, ``delete``, ``delete_many`` and unconditional ``put``
+      are idempotent: retried on :class:`ObjectStoreError` and :class:`IndeterminateError`;
+    - a conditional ``put`` (``if_absent=True``) is retried only on :class:`ObjectStoreError`
+      (determinate: it was not performed). After an :class:`IndeterminateError` it may have
+      landed, so a retry could report :class:`PreconditionFailedError` for the caller's own
+      write: that error goes to the caller, whose protocol resolves it (the versioned log
+      looks for its token).
+
+    Other errors (not found, precondition failed, ...) are answers, never retried. The last
+    error is raised when ``attempts`` are used up.
+    """
+
+    inner: ObjectStore
+    attempts: int = 4
+    backoff_s: float = 0.05
+    retried: int = 0
+    _rng: random.Random = field(default_factory=random.Random)
+
+    def _call(self, fn: Callable[[], object], transient: tuple[type[BaseException], ...]) -> object:
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except transient:
+                if attempt == self.attempts - 1:
+                    raise
+                self.retried += 1
+                time.sleep(self.backoff_s * (2**attempt) * (0.5 + self._rng.random()))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    _ANY = (ObjectStoreError, IndeterminateError)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self._call(lambda: self.inner.put(key, data, if_absent=if_absent),
+                   (ObjectStoreError,) if if_absent else self._ANY)
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda: self.inner.get(key), self._ANY)  # type: ignore[return-value]
+
+    def exists(self, key: str) -> bool:
+        return self._call(lambda: self.inner.exists(key), self._ANY)  # type: ignore[return-value]
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self.inner.delete(key), self._ANY)
+
+    def delete_many(self, keys: list[str]) -> None:
+        self._call(lambda: self.inner.delete_many(keys), self._ANY)
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        items = self._call(lambda: list(self.inner.list(prefix, start_after)), self._ANY)
+        return iter(items)  # type: ignore[call-overload]
+
+    def __getattr__(self, name: str) -> object:
+        # Anything else (e.g. the S3 adapter's boto3 client) is the wrapped store's.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from services.common import ServiceSettings, checkpoint_path
 from services.sinkio import (
@@ -247,7 +248,7 @@ class SinkWriter:
         parts: list[pa.Table] = []
         if len(upd):
             dicts = [self.row_codec.decode(k) for k in upd.keys.to_pylist()]
-            body = rows_to_arrow(dicts, self.shard.refresh().schema) if dicts else None
+            body = rows_to_arrow(dicts, self.shard.head(max_age_s=1e9).schema) if dicts else None
             assert body is not None
             body = body.append_column(TIME, pa.array(upd.times, pa.uint64()))
             body = body.append_column(DIFF, pa.array(upd.diffs, pa.int64()))
@@ -301,11 +302,12 @@ class SinkWriter:
             self.read_back()
             descs: list[BatchDescription] = []
             desc_codec = message_codec("batch_description")
-            for i in range(table.num_rows):
-                if table["kind"][i].as_py() != KIND_CONTROL or table["topic"][i].as_py() != self.settings.descs_topic:
-                    continue
+            control = table.filter(
+                pc.and_(pc.equal(table["kind"], KIND_CONTROL), pc.equal(table["topic"], self.settings.descs_topic))
+            ) if table.num_rows else table
+            for value in control["value"].to_pylist() if control.num_rows else []:
                 try:
-                    raw = desc_codec.decode(table["value"][i].as_py() or b"")
+                    raw = desc_codec.decode(value or b"")
                     d = BatchDescription.from_dict(raw)
                 except (DecodeError, ShardsinkError) as e:
                     log.warning("skipping a bad description: %s", e, extra={"sink_id": self.sink.sink_id})
