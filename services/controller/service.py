@@ -90,6 +90,7 @@ from shared.errors import (
     ConflictRetryError,
     DecodeError,
     IndeterminateError,
+    KafkaAdapterError,
     KafkaDeliveryError,
     KafkaTimeoutError,
     KafkaUnavailableError,
@@ -113,6 +114,10 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 READER_ID = "controller"
+#: Subscribe output is produced in chunks of this many messages (see _produce_step), and a
+#: step gives up for this tick after this many failed chunks.
+_SUB_CHUNK = 1000
+_SUB_FAILURES = 100
 #: Logged responses larger than this go to an S3 object named in the log.
 _LOG_INLINE_MAX = 4096
 
@@ -1056,10 +1061,8 @@ class Controller:
             # Recovery: a step was intended and may be partly on the topic.
             to = Frontier.from_json(emitting["to"])
             msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
-            already = self._count_on_topic(sub["topic"], sid, int(emitting["offset"]))
-            for m in msgs[already:]:
-                self._produce_sub(sub["topic"], m, sid)
-            self._flush()
+            start = int(emitting["offset"])
+            self._produce_step(sid, sub["topic"], msgs, self._count_on_topic(sub["topic"], sid, start))
             self._finish_step(sid, to, bool(emitting.get("final")))
             return
         st = heads.get(cid)
@@ -1089,9 +1092,7 @@ class Controller:
             sec.subs[sid]["emitting"] = intent
 
         self._commit(t)
-        for m in msgs:
-            self._produce_sub(sub["topic"], m, sid)
-        self._flush()
+        self._produce_step(sid, sub["topic"], msgs, (0, offset))
         self._finish_step(sid, to, final)
 
     def _finish_step(self, sid: str, to: Frontier, final: bool) -> None:
@@ -1105,13 +1106,49 @@ class Controller:
 
         self._commit(t)
 
-    def _produce_sub(self, topic: str, value: bytes, sid: str) -> None:
+    def _produce_step(self, sid: str, topic: str, msgs: list[bytes], known: tuple[int, int]) -> None:
+        """Make ``msgs`` the messages of subscribe ``sid`` on ``topic`` after the step's start.
+
+        ``known = (n, pos)``: the first ``n`` of ``msgs`` are on the topic, all before offset
+        ``pos``. The rest go out in chunks, each flushed. A chunk that fails may have partly
+        landed (a delivery error fails the messages after it too, never leaving a gap; a
+        message may land and still report an error): the messages of ``sid`` from ``pos`` on
+        are counted and production goes on after them. So a failure costs a re-count of
+        one chunk, not of the whole step, and a large step still completes when deliveries
+        fail now and then. After ``_SUB_FAILURES`` failed chunks the error is raised; the
+        next tick resumes from the recorded intent.
+        """
+        n, pos = known
+        failures = 0
+        while n < len(msgs):
+            chunk = msgs[n : n + _SUB_CHUNK]
+            delivered = [-1]
+
+            def on_delivery(err: Any, msg: Any, delivered: list[int] = delivered) -> None:
+                if err is None and msg is not None and msg.offset() is not None:
+                    delivered[0] = max(delivered[0], int(msg.offset()))
+                assert self.producer is not None
+                self.producer._on_delivery(err, msg)
+
+            for m in chunk:
+                self._produce_sub(topic, m, sid, on_delivery)
+            try:
+                self._flush()
+            except KafkaAdapterError:
+                failures += 1
+                if failures >= _SUB_FAILURES:
+                    raise
+                landed, pos = self._count_on_topic(topic, sid, pos)
+                n += landed
+                continue
+            n += len(chunk)
+            pos = max(pos, delivered[0] + 1)
+
+    def _produce_sub(self, topic: str, value: bytes, sid: str, on_delivery: Callable[[Any, Any], None]) -> None:
         assert self.producer is not None
         while True:
             try:
-                self.producer.producer.produce(
-                    topic, value=value, key=sid.encode(), partition=0, on_delivery=self.producer._on_delivery
-                )
+                self.producer.producer.produce(topic, value=value, key=sid.encode(), partition=0, on_delivery=on_delivery)
                 return
             except BufferError:
                 self.producer.producer.poll(0.05)
@@ -1156,8 +1193,9 @@ class Controller:
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
         return [(int(t), col.row_codec.encode(r), int(d)) for t, r, d in zip(times, rows, diffs, strict=True)]
 
-    def _count_on_topic(self, topic: str, sid: str, start: int) -> int:
-        """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from ``start``."""
+    def _count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
+        """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset
+        ``start``, and the offset up to which they were counted."""
         from confluent_kafka import TopicPartition
 
         from shared.io.kafka import OffsetProbe, new_consumer
@@ -1165,7 +1203,7 @@ class Controller:
         with OffsetProbe(self.settings.service.kafka) as probe:
             end = probe.ends([(topic, 0)])[(topic, 0)]
         if end <= start:
-            return 0
+            return 0, start
         c = new_consumer(self.settings.service.kafka, **{"auto.offset.reset": "earliest"})
         n = 0
         try:
@@ -1184,7 +1222,12 @@ class Controller:
                         continue
         finally:
             c.close()
-        return n
+        if pos < end:
+            # A partial count would make the caller produce messages already there again.
+            raise KafkaTimeoutError(
+                f"expected to read {topic}/0 from {start} to {end} within 60 s, reached {pos}", topic=topic
+            )
+        return n, pos
 
 
 def new_command_id() -> str:
