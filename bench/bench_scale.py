@@ -30,7 +30,6 @@ import json
 import os
 import random
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +38,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from upper_watch import UpperWatch  # noqa: E402
 
 SCHEMA = {
     "type": "record",
@@ -58,48 +60,6 @@ def pct(xs: list[float], q: float) -> float | None:
     if not s:
         return None
     return round(s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))], 3)
-
-
-class UpperWatch:
-    """Polls a shard's upper in a thread; remembers when it first reached each value."""
-
-    def __init__(self, shard: Any, poll_s: float = 0.02) -> None:
-        self.shard = shard
-        self.poll_s = poll_s
-        self.upper = 0
-        self.reached: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="upper-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                u = self.shard.refresh().upper.time or 0
-            except Exception:  # noqa: BLE001 - a transient S3 error: poll again
-                u = self.upper
-            if u > self.upper:
-                self.upper = u
-                self.reached.append((time.monotonic(), u))
-            self._stop.wait(self.poll_s)
-
-    def when(self, frontier: int) -> float | None:
-        for t, u in self.reached:
-            if u >= frontier:
-                return t
-        return None
-
-    def wait(self, frontier: int, timeout_s: float, what: str) -> float:
-        deadline = time.monotonic() + timeout_s
-        while self.upper < frontier:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"expected the upper to reach {frontier} within {timeout_s}s ({what}), found {self.upper}")
-            time.sleep(0.01)
-        return self.when(frontier) or time.monotonic()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 class Feed:

@@ -57,6 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from upper_watch import UpperWatch  # noqa: E402
+
 SCHEMA = {
     "type": "record",
     "name": "Order",
@@ -182,41 +184,6 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, procs: list[
             raise RuntimeError(f"expected {what} within {timeout_s}s, found it still pending")
         time.sleep(poll_s)
     return time.monotonic() - t0
-
-
-class UpperWatch:
-    """Polls the shard's upper in a thread; remembers when it first reached each value."""
-
-    def __init__(self, shard: Any, poll_s: float = 0.02) -> None:
-        self.shard = shard
-        self.poll_s = poll_s
-        self.upper = 0
-        self.reached: list[tuple[float, int]] = []  # (monotonic, upper) at each advance
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="upper-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                u = self.shard.refresh().upper.time or 0
-            except Exception as e:  # noqa: BLE001 - a transient S3 error: poll again
-                log(f"upper poll failed: {e}")
-                u = self.upper
-            if u > self.upper:
-                self.upper = u
-                self.reached.append((time.monotonic(), u))
-            self._stop.wait(self.poll_s)
-
-    def when(self, frontier: int) -> float | None:
-        for t, u in self.reached:
-            if u >= frontier:
-                return t
-        return None
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -450,7 +417,7 @@ def main() -> int:
 
             # -- 2. the sink, warm and in step: throughput ------------------------------------
             settings.catalog().create_sink(SinkDef(sink_id, topic, collection))
-            watch = UpperWatch(shard)
+            watch = UpperWatch(shard, on_error=log)
             svc = Proc("services", [sys.executable, "-m", "services", "--sink", sink_id], env, work / "services.log").start()
             procs.append(svc)
             log("sink: services starting (all three queries in one application); catching up the baseline's data")

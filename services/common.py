@@ -365,12 +365,12 @@ class Supervisor:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     restarts: int = 0
-    #: Per sink: consecutive failures and the monotonic time before which no restart is tried.
     #: Backoff doubles from ``backoff_s`` up to ``max_backoff_s``; a query that stays up for
     #: ``max_backoff_s`` resets it. Without it, a loaded machine feeds a restart storm.
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
+    #: Per sink: consecutive failures and the monotonic time before which no restart is tried.
     _failures: dict[str, tuple[int, float]] = field(default_factory=dict)
     _started_at: dict[str, float] = field(default_factory=dict)
 
