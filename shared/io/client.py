@@ -28,7 +28,8 @@ collection), ``ShardDroppedError``, ``SinceViolationError`` (as_of below since),
 
 A subscribe yields the snapshot at ``as_of`` as changes at time ``as_of``, then every change
 at times in ``(as_of, up_to)``, each step followed by ``Progress(frontier)`` (no more changes
-at times below ``frontier``), like the controller's subscribe output. It ends after
+at times below ``frontier``), like the controller's subscribe output. Changes come in time
+order and, within one time, in row order (as snapshots do). It ends after
 ``Progress(up_to)``, or with ``Progress(None)`` when the collection is closed or dropped.
 Error rows (rows the sink could not decode, ``_error`` set) are left out of subscribes and,
 unless ``include_errors=True``, of snapshots.
@@ -88,6 +89,17 @@ def _store_of(settings: Any) -> Any:
     )
 
 
+def _sorted_by_row(table: pa.Table, row_columns: list[str]) -> pa.Table:
+    """``table`` in row order (column by column, nulls last); as it is when Arrow cannot order
+    a row column's type (lists, maps, structs)."""
+    if table.num_rows < 2:
+        return table
+    try:
+        return table.sort_by([(c, "ascending") for c in row_columns])
+    except (pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowInvalid):
+        return table
+
+
 def open_collection(collection_id: str, settings: Any = None) -> Collection:
     """A handle on a collection (its shard). Raises ShardNotFoundError if there is none.
 
@@ -123,10 +135,11 @@ class Collection:
 
     def snapshot(self, as_of: int | None = None, *, timeout_s: float = 0.0, include_errors: bool = False) -> pa.Table:
         """The contents at ``as_of`` (default: the latest readable time, upper - 1),
-        consolidated: the row columns and ``_diff`` (the row's count), sorted by row."""
+        consolidated: the row columns and ``_diff`` (the row's count), sorted by row (where
+        Arrow can order the row columns' types)."""
         if as_of is None:
             as_of = self._latest()
-        table = self.shard.snapshot(int(as_of), timeout_s=timeout_s)
+        table = _sorted_by_row(self.shard.snapshot(int(as_of), timeout_s=timeout_s), self.shard.row_columns)
         if include_errors:
             return table
         if table.num_rows:
@@ -218,12 +231,12 @@ class Subscription:
     def _changes(self, table: pa.Table, at: int | None) -> list[Change]:
         if table.num_rows == 0:
             return []
-        ok = table.filter(pc.is_null(table[ERROR]))
+        ok = _sorted_by_row(table.filter(pc.is_null(table[ERROR])), self.shard.row_columns)
         rows = ok.select(self.shard.row_columns).to_pylist()
         diffs = ok[DIFF].to_pylist()
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
         out = [Change(int(t), int(d), r) for t, d, r in zip(times, diffs, rows, strict=True)]
-        out.sort(key=lambda c: c.time)
+        out.sort(key=lambda c: c.time)  # stable: within one time, in row order
         return out
 
     def _run(self) -> Iterator[Change | Progress]:
