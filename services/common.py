@@ -22,7 +22,9 @@ SHARDSINK_TRIGGER_MS           --trigger-ms            100
 SHARDSINK_CATALOG_POLL_MS      --catalog-poll-ms       1000
 SHARDSINK_SPARK_MASTER         --master                local[2] (ignored under spark-submit)
 SHARDSINK_STAGED_GRACE_MS      --grace-ms              600000
+SHARDSINK_MAX_RECORDS_PER_TRIGGER --max-records-per-trigger 100000 (write: admission control)
 SHARDSINK_FAULTS               -                       '' (test only: injected faults)
+SHARDSINK_TEST_LOW_WATERMARKS_FILE -                   '' (test only: simulated retention)
 =============================  ======================  ==================================
 
 ``SHARDSINK_FAULTS`` is for fault campaigns (``bench/chaos.py``) only: a comma-separated list
@@ -84,6 +86,8 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_METRICS_PORT": "Prometheus metrics port",
     "PYSPARK_PYTHON": "Python interpreter of the Spark executors",
     "SHARDSINK_FAULTS": "test only: injected S3 and Kafka producer faults (bench/chaos.py)",
+    "SHARDSINK_MAX_RECORDS_PER_TRIGGER": "most records the write query reads per micro-batch",
+    "SHARDSINK_TEST_LOW_WATERMARKS_FILE": "test only: JSON of simulated low watermarks (retention)",
 }
 #: Prefixes of Kafka client options passed through to librdkafka (see shared/io/kafka.py).
 ENV_PREFIXES: tuple[str, ...] = ("SHARDSINK_KAFKA_SASL_", "SHARDSINK_KAFKA_SSL_", "SHARDSINK_KAFKA_OPTION_")
@@ -209,6 +213,10 @@ class ServiceSettings:
     only_sinks: tuple[str, ...] = ()
     #: Test only (``SHARDSINK_FAULTS``): faults injected into the S3 store and control producers.
     faults: Faults | None = None
+    #: Admission control of the write query: no micro-batch reads more records than this.
+    max_records_per_trigger: int = 100_000
+    #: Test only: a JSON file of simulated low watermarks (see shared.io.spark_kafka).
+    simulated_low_watermarks_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.trigger_ms < 0 or self.catalog_poll_ms <= 0:
@@ -230,6 +238,7 @@ class ServiceSettings:
         p.add_argument("--catalog-poll-ms", type=int)
         p.add_argument("--master", help="Spark master for local runs (SHARDSINK_SPARK_MASTER)")
         p.add_argument("--grace-ms", type=int)
+        p.add_argument("--max-records-per-trigger", type=int)
         p.add_argument("--sink", action="append", default=[], help="serve only this sink (repeatable)")
 
     @staticmethod
@@ -263,6 +272,8 @@ class ServiceSettings:
             grace_ms=int(pick("grace_ms", "SHARDSINK_STAGED_GRACE_MS", "600000")),
             only_sinks=tuple(a.get("sink") or ()),
             faults=faults_from_env(e),
+            max_records_per_trigger=int(pick("max_records_per_trigger", "SHARDSINK_MAX_RECORDS_PER_TRIGGER", "100000")),
+            simulated_low_watermarks_file=e.get("SHARDSINK_TEST_LOW_WATERMARKS_FILE") or None,
         )
 
     # -- clients ---------------------------------------------------------------------------
@@ -375,16 +386,47 @@ class Supervisor:
     _started_at: dict[str, float] = field(default_factory=dict)
 
     _catalog: Catalog | None = None
+    #: Deletes this service's checkpoints whose folder name the given predicate rejects
+    #: (see :func:`remove_checkpoints`); None: checkpoints are left alone.
+    reap: Callable[[Callable[[str], bool]], Any] | None = None
+    _reaped: bool = False
+
+    def _keep_checkpoint(self, name: str, live: dict[str, SinkDef]) -> bool:
+        owner = checkpoint_owner(name)
+        if owner is None:
+            return True  # not a sink's checkpoint
+        sink_id, epoch, ephemeral = owner
+        if self.settings.only_sinks and sink_id not in self.settings.only_sinks:
+            return True  # another instance's sink
+        sink = live.get(sink_id)
+        if sink is None or sink.epoch != epoch:
+            return False  # dropped, or an older epoch
+        return not ephemeral or sink_id in self.running
 
     def poll_once(self) -> None:
         if self._catalog is None:
             self._catalog = self.settings.catalog()
         catalog = self._catalog
+        live = {s.sink_id: s for s in catalog.state().live_sinks()}
         wanted = {
-            s.sink_id: s
-            for s in catalog.state().live_sinks()
-            if not self.settings.only_sinks or s.sink_id in self.settings.only_sinks
+            sid: s
+            for sid, s in live.items()
+            if not self.settings.only_sinks or sid in self.settings.only_sinks
         }
+        stopped = self._poll(wanted)
+        if self.reap is not None and (stopped or not self._reaped):
+            self._reaped = True
+            try:
+                gone = self.reap(lambda name: self._keep_checkpoint(name, live))
+                if gone:
+                    log.info("removed %s checkpoints %s", self.name, gone)
+            except Exception as e:  # noqa: BLE001 - a failed clean-up must not stop the service
+                log.warning("removing old %s checkpoints failed: %s", self.name, e)
+        self._start_wanted(wanted)
+
+    def _poll(self, wanted: dict[str, SinkDef]) -> bool:
+        """Stop the queries of dropped, re-created or failed sinks; True if any stopped."""
+        stopped = False
         for sink_id, runner in list(self.running.items()):
             want = wanted.get(sink_id)
             if want is not None and want.epoch == runner.sink.epoch and want != runner.sink:
@@ -404,6 +446,10 @@ class Supervisor:
                     self.restarts += 1
                 self._stop_runner(runner)
                 del self.running[sink_id]
+                stopped = True
+        return stopped
+
+    def _start_wanted(self, wanted: dict[str, SinkDef]) -> None:
         for sink_id, sink in wanted.items():
             if sink_id not in self.running:
                 if self.clock() < self._failures.get(sink_id, (0, 0.0))[1]:
@@ -442,13 +488,54 @@ class Supervisor:
         for runner in list(self.running.values()):
             self._stop_runner(runner)
         self.running.clear()
+        if self.reap is not None and self._catalog is not None:
+            try:  # the fresh-per-start checkpoints of the stopped queries
+                live = {s.sink_id: s for s in self._catalog.state().live_sinks()}
+                self.reap(lambda name: self._keep_checkpoint(name, live))
+            except Exception as e:  # noqa: BLE001 - best effort at shutdown
+                log.warning("removing %s checkpoints at stop failed: %s", self.name, e)
 
 
 def checkpoint_path(settings: ServiceSettings, service: str, sink: SinkDef) -> str:
-    """An ephemeral checkpoint per query start: the services rebuild their state from the
-    topics (from the earliest offsets) and the shard, so Spark's offsets must not skip what
-    the state needs. Kafka retention bounds the replay; see README "Recovery"."""
-    return os.path.join(settings.checkpoint_dir, service, f"{sink.sink_id}-e{sink.epoch}-{uuid.uuid4().hex[:8]}")
+    """The checkpoint of one service's query for one sink.
+
+    The write query's is durable: ``<root>/write/<sink>-e<epoch>`` survives restarts, holds
+    the correction buffers (Spark state) with the offsets they reflect, and must be on a
+    path every executor reaches (a shared volume, or ``s3a://`` with hadoop-aws). Mint and
+    append rebuild their small state from the topics at each start, so theirs is fresh per
+    start (``-r<uuid>``) and removed when the query stops. A new epoch (re-created or
+    adopted sink) starts a new checkpoint; :func:`remove_checkpoints` deletes the old ones.
+    """
+    name = f"{sink.sink_id}-e{sink.epoch}"
+    if service != "write":
+        name += f"-r{uuid.uuid4().hex[:8]}"
+    return f"{settings.checkpoint_dir.rstrip('/')}/{service}/{name}"
+
+
+def remove_checkpoints(spark: Any, settings: ServiceSettings, service: str, keep: Callable[[str], bool]) -> list[str]:
+    """Delete the checkpoints under ``<root>/<service>/`` whose name ``keep`` rejects
+    (through Hadoop's FileSystem, so local paths and ``s3a://`` alike). Returns them."""
+    jvm = spark.sparkContext._jvm
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    root = jvm.org.apache.hadoop.fs.Path(f"{settings.checkpoint_dir.rstrip('/')}/{service}")
+    fs = root.getFileSystem(conf)
+    if not fs.exists(root):
+        return []
+    gone = []
+    for st in fs.listStatus(root):
+        name = st.getPath().getName()
+        if not keep(name):
+            fs.delete(st.getPath(), True)
+            gone.append(name)
+    return gone
+
+
+def checkpoint_owner(name: str) -> tuple[str, int, bool] | None:
+    """``(sink id, epoch, ephemeral)`` of a checkpoint folder's name, None for another."""
+    import re
+
+    m = re.fullmatch(r"(.+)-e(\d+)(-r[0-9a-f]{8})?", name)
+    return (m.group(1), int(m.group(2)), m.group(3) is not None) if m else None
 
 
 def wait_forever(stop: threading.Event) -> None:

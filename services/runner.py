@@ -12,6 +12,7 @@ that follows the catalog and runs one streaming query per sink.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import threading
 import time
@@ -19,7 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common import ServiceSettings, Supervisor, configure_logging, spark_session, wait_forever
+from services.common import (
+    ServiceSettings,
+    Supervisor,
+    configure_logging,
+    remove_checkpoints,
+    spark_session,
+    wait_forever,
+)
 from shared.catalog import SinkDef
 
 log = logging.getLogger("shardsink")
@@ -95,6 +103,7 @@ class Services:
                 sup = Supervisor("append", s, guarded(start_append_query, self.appenders))
             else:
                 raise ValueError(f"expected a service in {SERVICES}, found {name!r}")
+            sup.reap = functools.partial(remove_checkpoints, self.spark, s, name)
             self.supervisors.append(sup.start())
         return self
 

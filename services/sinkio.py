@@ -19,6 +19,9 @@ KIND_UPDATE = "update"
 KIND_PROGRESS = "progress"
 KIND_BAD = "bad"
 KIND_CONTROL = "control"
+#: History lost to retention (write service): ``frontier`` = first lost offset, ``time`` = the
+#: first offset still available (see ``historyGapTopics`` in shared.io.spark_kafka).
+KIND_GAP = "gap"
 
 DECODED_SCHEMA = pa.schema(
     [
@@ -46,7 +49,13 @@ def _signed(t: int) -> int:
     return t - 2**64 if t >= 2**63 else t
 
 
-def decode_partition(desired_topic: str, row_schema_json: str | None = None, *, progress_only: bool = False) -> Any:
+def decode_partition(
+    desired_topic: str,
+    row_schema_json: str | None = None,
+    *,
+    progress_only: bool = False,
+    route_to: int | None = None,
+) -> Any:
     """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
 
     With ``row_schema_json`` (the collection's row schema), each update's row is also checked
@@ -57,6 +66,11 @@ def decode_partition(desired_topic: str, row_schema_json: str | None = None, *, 
     With ``progress_only`` (the mint service), updates are dropped without being decoded: a
     message framed with the current desired schema whose union index byte (right after the
     10-byte single-object header) is 0 is an update. Everything else is decoded as usual.
+
+    With ``route_to`` (the write service: its number of writer partitions), every output row
+    starts with ``wp``, the writer partition it goes to: a desired record goes to its topic
+    partition, a control record (description, upper) is copied to every partition, and a
+    history-gap marker of the source becomes a ``gap`` record (input with ``headers``).
     """
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -68,18 +82,23 @@ def decode_partition(desired_topic: str, row_schema_json: str | None = None, *, 
 
         row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
         update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
+        out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
 
         for rb in batches:
             topics = rb.column("topic").to_pylist()
             parts = rb.column("partition").to_pylist()
             offs = rb.column("offset").to_pylist()
             vals = rb.column("value").to_pylist()
-            cols: dict[str, list[Any]] = {f.name: [] for f in DECODED_SCHEMA}
-            for topic, part, off, val in zip(topics, parts, offs, vals, strict=True):
+            heads = rb.column("headers") if "headers" in rb.schema.names else None
+            cols: dict[str, list[Any]] = {f.name: [] for f in out_schema}
+            for i, (topic, part, off, val) in enumerate(zip(topics, parts, offs, vals, strict=True)):
                 row = tm = diff = fr = err = raw = None
                 closed = False
                 if topic != desired_topic:
                     kind, raw = KIND_CONTROL, val
+                elif val is None and heads is not None and _gap(heads[i].as_py()) is not None:
+                    kind = KIND_GAP
+                    fr, tm = _gap(heads[i].as_py())  # type: ignore[misc]
                 elif progress_only and val is not None and val[:11] == update_prefix:
                     continue
                 else:
@@ -104,15 +123,44 @@ def decode_partition(desired_topic: str, row_schema_json: str | None = None, *, 
                                 except DecodeError as e:
                                     kind, row = KIND_BAD, None
                                     err = f"row does not match the collection schema at {topic}/{part}@{off}: {e}"
-                for name, v in (
-                    ("topic", topic), ("partition", part), ("offset", off), ("kind", kind),
-                    ("row", row), ("time", tm), ("diff", diff), ("frontier", fr),
-                    ("frontier_closed", closed), ("error", err), ("value", raw),
-                ):
-                    cols[name].append(v)
-            yield pa.RecordBatch.from_pydict(cols, schema=DECODED_SCHEMA)
+                copies = [None]
+                if route_to is not None:
+                    copies = list(range(route_to)) if kind == KIND_CONTROL else [part]
+                    # pandas (applyInPandasWithState) turns nullable int64 into float64:
+                    # nulls become 0 with presence flags.
+                    has_time, has_diff = tm is not None, diff is not None
+                    tm, diff, fr = tm or 0, diff or 0, fr or 0
+                for wp in copies:
+                    if wp is not None:
+                        cols["wp"].append(wp)
+                        cols["has_time"].append(has_time)
+                        cols["has_diff"].append(has_diff)
+                    for name, v in (
+                        ("topic", topic), ("partition", part), ("offset", off), ("kind", kind),
+                        ("row", row), ("time", tm), ("diff", diff), ("frontier", fr),
+                        ("frontier_closed", closed), ("error", err), ("value", raw),
+                    ):
+                        cols[name].append(v)
+            yield pa.RecordBatch.from_pydict(cols, schema=out_schema)
 
     return fn
+
+
+ROUTED_SCHEMA = pa.schema(
+    [pa.field("wp", pa.int32()), *DECODED_SCHEMA, pa.field("has_time", pa.bool_()), pa.field("has_diff", pa.bool_())]
+)
+ROUTED_DDL = "wp int, " + DECODED_DDL + ", has_time boolean, has_diff boolean"
+
+
+def _gap(headers: Any) -> tuple[int, int] | None:
+    """``(first lost offset, first available offset)`` of a source's history-gap marker."""
+    from shared.io.spark_kafka import HISTORY_GAP_HEADER
+
+    for h in headers or ():
+        if h["key"] == HISTORY_GAP_HEADER:
+            lo, hi = bytes(h["value"]).decode().split("-")
+            return int(lo), int(hi)
+    return None
 
 
 def collect_decoded(

@@ -113,6 +113,9 @@ class SinkDef:
     read_only: bool = False
     dropped: bool = False
     epoch: int = 0
+    #: The writer takes the shard's contents at its first start as the desired baseline
+    #: (the operator's answer to lost desired history; see README "Retention safety").
+    adopt_shard: bool = False
 
     def definition(self) -> dict[str, Any]:
         return {"desired_topic": self.desired_topic, "collection_id": self.collection_id, "as_of": self.as_of}
@@ -126,6 +129,7 @@ class SinkDef:
             "read_only": self.read_only,
             "dropped": self.dropped,
             "epoch": self.epoch,
+            "adopt_shard": self.adopt_shard,
         }
 
     @staticmethod
@@ -138,6 +142,7 @@ class SinkDef:
             read_only=bool(d.get("read_only", False)),
             dropped=bool(d.get("dropped", False)),
             epoch=int(d.get("epoch", 0)),
+            adopt_shard=bool(d.get("adopt_shard", False)),
         )
 
 
@@ -287,6 +292,9 @@ class Catalog:
     def allow_writes(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
         return self.update(allow_writes_transition(sink_id), epoch=epoch)
 
+    def adopt_shard(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
+        return self.update(adopt_shard_transition(sink_id), epoch=epoch)
+
     # -- maintenance -----------------------------------------------------------------------
     def collect(self, grace_ms: int) -> int:
         """Delete catalog states below the head older than ``grace_ms``; returns the count."""
@@ -375,6 +383,55 @@ def drop_sink_transition(sink_id: str) -> Transition:
         return replace(s, sinks={**s.sinks, sink_id: replace(old, dropped=True)})
 
     return t
+
+
+def adopt_shard_transition(sink_id: str) -> Transition:
+    """The sink starts over from its shard's current contents as the desired baseline: a
+    new epoch (so every service restarts the sink's queries, the writer with a fresh
+    checkpoint) with ``adopt_shard`` set."""
+
+    def t(s: CatalogState) -> CatalogState:
+        old = s.sink(sink_id)
+        if old.dropped:
+            raise UnknownSinkError(f"expected a live sink {sink_id!r}, found a dropped one")
+        epoch_n = 1 + max((v.epoch for v in s.sinks.values()), default=0)
+        return replace(s, sinks={**s.sinks, sink_id: replace(old, adopt_shard=True, epoch=epoch_n)})
+
+    return t
+
+
+# -- sink health (written by the write service, read by `shardsink status`) --------------------
+
+HEALTH_ROOT = "sink-health"
+
+
+@dataclass(frozen=True, slots=True)
+class SinkHealth:
+    """What the write service last said of a sink: ``state`` is ``ok`` or ``refusing``."""
+
+    sink_id: str
+    epoch: int
+    state: str
+    message: str
+    partitions: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sink_id": self.sink_id, "epoch": self.epoch, "state": self.state,
+                "message": self.message, "partitions": self.partitions, "at_ms": now_ms()}
+
+
+def put_sink_health(store: ObjectStore, health: SinkHealth) -> None:
+    store.put(f"{HEALTH_ROOT}/{health.sink_id}.json", json.dumps(health.to_json()).encode())
+
+
+def sink_health(store: ObjectStore, sink_id: str) -> dict[str, Any] | None:
+    """The sink's last health record, or None when the write service never wrote one."""
+    from shared.errors import ObjectNotFoundError
+
+    try:
+        return dict(json.loads(store.get(f"{HEALTH_ROOT}/{sink_id}.json")))
+    except ObjectNotFoundError:
+        return None
 
 
 def allow_writes_transition(sink_id: str) -> Transition:

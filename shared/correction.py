@@ -318,6 +318,14 @@ class Correction:
         """Everything buffered, consolidated."""
         return self.updates_before(None)
 
+    def restore(self, contents: ConsolidatedUpdates, since: int) -> None:
+        """Replace the buffer with ``contents`` (as :meth:`contents` returned them: sorted by
+        ``(key, time)`` and consolidated) at ``since``: the inverse of a checkpoint."""
+        self.clear()
+        self._since = int(since)
+        if len(contents):
+            self._merge_into_chunks(contents)
+
     # -- maintenance ------------------------------------------------------------------------
     def clear(self) -> None:
         self._set_chunks([])

@@ -165,6 +165,13 @@ class ContractViolationError(ShardsinkError):
     """An update breaks the desired-topic contract (a time below its partition's progress)."""
 
 
+class HistoryUnprovenError(ShardsinkError):
+    """A sink's writer cannot prove it has seen the desired history behind its shard (the
+    topic's oldest records are gone and no checkpoint covers them): it refuses to write, so
+    it never retracts a row only because the row's insert aged out. An operator adopts the
+    shard's contents as the baseline (``shardsink sink adopt``)."""
+
+
 class CommandError(ShardsinkError):
     """A controller command was rejected; ``kind`` names the typed error in the response."""
 

@@ -235,8 +235,9 @@ class Shard:
     def state_key(self, seqno: int) -> str:
         return self._log.state_key(seqno)
 
-    def _data_key(self) -> str:
-        return f"{self.prefix}data/{uuid.uuid4().hex}.parquet"
+    def _data_key(self, tag: str | None = None) -> str:
+        suffix = f"-{tag}" if tag else ""
+        return f"{self.prefix}data/{uuid.uuid4().hex}{suffix}.parquet"
 
     @property
     def hint_key(self) -> str:
@@ -371,12 +372,12 @@ class Shard:
             raise SchemaMismatchError(f"expected updates castable to {target}, found: {e}") from e
 
     # -- data objects ----------------------------------------------------------------------
-    def _write_part(self, table: pa.Table) -> Part:
+    def _write_part(self, table: pa.Table, tag: str | None = None) -> Part:
         buf = io.BytesIO()
         meta = {b"shardsink.format": DATA_FORMAT_VERSION.encode(), b"shardsink.shard": self.shard_id.encode()}
         pq.write_table(table.replace_schema_metadata(meta), buf, compression="snappy")
         data = buf.getvalue()
-        key = self._data_key()
+        key = self._data_key(tag)
         self.store.put(key, data, if_absent=True)
         return Part(key=key, rows=table.num_rows, bytes=len(data))
 
@@ -394,14 +395,23 @@ class Shard:
             tables = list(ex.map(one, keys))
         return pa.concat_tables(tables)
 
-    def stage(self, updates: Updates, *, max_rows_per_part: int = 1_000_000) -> StagedBatch:
-        """Write updates as data objects without appending them (consolidated first)."""
+    def read_parts(self, keys: Sequence[str]) -> pa.Table:
+        """The rows of the given data objects, in the part schema (not consolidated)."""
+        return self._read_parts(keys)
+
+    def stage(
+        self, updates: Updates, *, max_rows_per_part: int = 1_000_000, tag: str | None = None
+    ) -> StagedBatch:
+        """Write updates as data objects without appending them (consolidated first).
+
+        ``tag`` (letters, digits, ``-``) is appended to the objects' names: the write service
+        names its writer partition there, so a reader can route a part without reading it."""
         table = self.to_table(updates)
         table = consolidate(table, [*self.row_columns, ERROR, TIME])
         table = table.select(self.part_schema.names)
         parts: list[Part] = []
         for off in range(0, table.num_rows, max_rows_per_part):
-            parts.append(self._write_part(table.slice(off, max_rows_per_part)))
+            parts.append(self._write_part(table.slice(off, max_rows_per_part), tag))
         if table.num_rows:
             mm = pc.min_max(table[TIME])
             lo, hi = mm["min"].as_py(), mm["max"].as_py()

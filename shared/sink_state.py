@@ -412,7 +412,18 @@ class NothingToWrite:
         return BatchReport.for_description(self.desc, self.partition, None, 0, now_ms)
 
 
-WriteDecision = Union[Idle, Wait, Skip, Stage, NothingToWrite]
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The partition cannot prove it has seen the desired history behind the shard (the
+    oldest input is gone and no checkpoint covers it): it writes nothing, so it never deletes
+    a row only because the row's insert has aged out of the topic. The description stays
+    held; an operator adopts the shard's contents as the baseline (``sink adopt``)."""
+
+    desc: BatchDescription
+    reason: str
+
+
+WriteDecision = Union[Idle, Wait, Skip, Stage, NothingToWrite, Refuse]
 
 
 class WriteState:
@@ -455,6 +466,19 @@ class WriteState:
         self.contract_violations = 0
         self.decode_errors = 0
         self.written = 0
+        # Retention safety: how much the buffer absorbed (a gap in the input after anything
+        # was absorbed cannot be proven harmless), the adopted baseline, and why this
+        # partition refuses to write (None: it does not).
+        self.absorbed_desired = 0
+        self.absorbed_persist = 0
+        self.adopted: Frontier | None = None
+        self.dropped_below_baseline = 0
+        self.unproven: str | None = None
+        # Batches this partition staged and may see appended: part key -> staged id, and
+        # staged id -> (description upper, updates, errors). Its own parts are read back from
+        # here, not from the object store.
+        self._staged_parts: dict[str, str] = {}
+        self._staged: dict[str, tuple[Frontier, ConsolidatedUpdates, ConsolidatedUpdates]] = {}
 
     # -- desired input ----------------------------------------------------------------------
     def absorb_desired_progress(self, frontier: FrontierLike) -> None:
@@ -471,6 +495,17 @@ class WriteState:
             return 0
         t = as_times(times, n)
         d = as_diffs(diffs, n)
+        if self.adopted is not None and self.adopted.time is not None:
+            keep = t >= np.uint64(self.adopted.time)
+            if not keep.all():
+                # Below the adopted baseline: the shard's contents there are the desired ones.
+                idx = np.flatnonzero(keep)
+                self.dropped_below_baseline += n - len(idx)
+                k, t, d = k.take(pa.array(idx, type=pa.int64())), t[idx], d[idx]
+                n = len(k)
+                if n == 0:
+                    return 0
+        self.absorbed_desired += n
         f = self.desired_frontier
         if f.time is None:
             bad = np.ones(n, dtype=bool)
@@ -608,6 +643,7 @@ class WriteState:
         k = _binary(keys)
         if len(k):
             self.correction.insert_negated(k, times, _diffs(diffs, len(k)))
+            self.absorbed_persist += len(k)
         ek = _binary(error_keys)
         if len(ek):
             self.errors.insert_negated(ek, error_times, _diffs(error_diffs, len(ek)))
@@ -621,10 +657,184 @@ class WriteState:
         self.persist_frontier = f
         self.correction.advance_since(f)
         self.errors.advance_since(f)
+        for sid, (upper, _u, _e) in list(self._staged.items()):
+            if upper.less_equal(f):
+                self._forget_staged(sid)  # appended (and read back) or superseded
         d = self.description
         if d is not None and d.lower.less_than(f):
             self.description = None
             self._mark_handled(d)
+
+    # -- history (retention safety) ---------------------------------------------------------
+    def adopt_baseline(self, upper: FrontierLike) -> None:
+        """Take the shard's contents below ``upper`` as the desired collection there (the
+        operator's ``--adopt-shard``), instead of absorbing the shard's snapshot: nothing of
+        the shard is negated, and desired updates at times below ``upper`` are dropped as
+        already reflected. Corrections apply from ``upper`` on."""
+        u = as_frontier(upper)
+        self.begin_persist_snapshot(u)
+        self.end_persist_snapshot()
+        self.adopted = u
+
+    def absorb_history_gap(self, lost_from: int, lost_to: int) -> None:
+        """Offsets ``[lost_from, lost_to)`` of this partition's desired input are no longer
+        available (retention), and no checkpoint covers them.
+
+        Harmless only when the buffer has absorbed nothing yet, neither desired updates nor
+        rows of the shard (a sink on an empty collection, or one whose baseline was adopted):
+        then nothing the lost input held can be in the shard for this partition. Otherwise
+        the partition cannot prove it saw the history behind the shard, and refuses to write
+        (:class:`Refuse`) from now on."""
+        if self.absorbed_desired == 0 and self.absorbed_persist == 0:
+            return
+        if self.unproven is None:
+            self.unproven = (
+                f"expected the desired input of partition {self.partition} to be complete since "
+                f"the last checkpoint, found offsets [{lost_from}, {lost_to}) no longer "
+                "available (topic retention): refusing to write, since a retraction might "
+                "delete rows whose inserts aged out"
+            )
+
+    # -- own staged batches -----------------------------------------------------------------
+    def remember_staged(
+        self, desc: BatchDescription, part_keys: list[str], stage: Stage
+    ) -> None:
+        """This partition staged ``stage`` for ``desc`` as the objects ``part_keys``: when
+        they come back appended, :meth:`take_staged` gives their rows without a read."""
+        if not part_keys:
+            return
+        sid = part_keys[0]
+        self._staged[sid] = (desc.upper, stage.updates, stage.errors)
+        for k in part_keys:
+            self._staged_parts[k] = sid
+
+    def take_staged(
+        self, part_key: str
+    ) -> tuple[ConsolidatedUpdates, ConsolidatedUpdates] | None:
+        """The rows of an object this partition staged (once per staged batch: the batch's
+        other objects then return empty updates), or None for an object it did not stage."""
+        sid = self._staged_parts.get(part_key)
+        if sid is None:
+            return None
+        upper, updates, errors = self._staged[sid]
+        empty = ConsolidatedUpdates.empty()
+        self._staged[sid] = (upper, empty, empty)  # its other objects: nothing more
+        return updates, errors
+
+    def _forget_staged(self, sid: str) -> None:
+        self._staged.pop(sid, None)
+        for k in [k for k, v in self._staged_parts.items() if v == sid]:
+            del self._staged_parts[k]
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def to_checkpoint(self) -> bytes:
+        """The whole state as bytes (Arrow IPC: the buffers and staged batches as rows, the
+        frontiers and counters as schema metadata); :meth:`from_checkpoint` inverts it."""
+        import json
+
+        tables: list[pa.Table] = []
+
+        def add(which: str, u: ConsolidatedUpdates) -> None:
+            if len(u):
+                tables.append(
+                    pa.table(
+                        {
+                            "which": pa.array([which] * len(u), pa.string()),
+                            "key": u.keys,
+                            "time": pa.array(u.times, pa.uint64()),
+                            "diff": pa.array(u.diffs, pa.int64()),
+                        }
+                    )
+                )
+
+        add("c", self.correction.contents())
+        add("e", self.errors.contents())
+        staged_meta = {}
+        for sid, (upper, u, e) in self._staged.items():
+            staged_meta[sid] = {
+                "upper": upper.to_json(),
+                "parts": sorted(k for k, v in self._staged_parts.items() if v == sid),
+            }
+            add("su:" + sid, u)
+            add("se:" + sid, e)
+        meta = {
+            "v": 1,
+            "sink_id": self.sink_id,
+            "partition": self.partition,
+            "partition_count": self.partition_count,
+            "desired_frontier": self.desired_frontier.to_json(),
+            "persist_frontier": self.persist_frontier.to_json(),
+            "correction_since": self.correction.since,
+            "errors_since": self.errors.since,
+            "description": None if self.description is None else self.description.to_dict(),
+            "handled": None if self._handled is None else list(self._handled),
+            "snapshot_done": self._snapshot_done,
+            "counters": [
+                self.contract_violations, self.decode_errors, self.written,
+                self.absorbed_desired, self.absorbed_persist, self.dropped_below_baseline,
+            ],
+            "adopted": None if self.adopted is None else self.adopted.to_json(),
+            "unproven": self.unproven,
+            "staged": staged_meta,
+        }
+        schema = pa.schema(
+            [("which", pa.string()), ("key", pa.binary()), ("time", pa.uint64()), ("diff", pa.int64())],
+            metadata={b"shardsink.write_state": json.dumps(meta).encode()},
+        )
+        table = pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
+        table = table.replace_schema_metadata(schema.metadata)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    @staticmethod
+    def from_checkpoint(data: bytes) -> WriteState:
+        import json
+
+        import pyarrow.compute as pc
+
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+        raw = (table.schema.metadata or {}).get(b"shardsink.write_state")
+        if raw is None:
+            raise SinkProtocolError("expected a write state checkpoint, found no metadata")
+        meta = json.loads(raw)
+        if meta.get("v") != 1:
+            raise SinkProtocolError(f"expected write state version 1, found {meta.get('v')!r}")
+        ws = WriteState(str(meta["sink_id"]), int(meta["partition"]), int(meta["partition_count"]))
+        which = table["which"]
+
+        def part(name: str) -> ConsolidatedUpdates:
+            t = table.filter(pc.equal(which, name))
+            if t.num_rows == 0:
+                return ConsolidatedUpdates.empty()
+            return ConsolidatedUpdates(
+                t["key"].combine_chunks(),
+                t["time"].to_numpy().astype(np.uint64),
+                t["diff"].to_numpy().astype(np.int64),
+            )
+
+        ws.correction.restore(part("c"), int(meta["correction_since"]))
+        ws.errors.restore(part("e"), int(meta["errors_since"]))
+        ws.desired_frontier = Frontier.from_json(meta["desired_frontier"])
+        ws.persist_frontier = Frontier.from_json(meta["persist_frontier"])
+        d = meta.get("description")
+        ws.description = None if d is None else BatchDescription.from_dict(d)
+        h = meta.get("handled")
+        ws._handled = None if h is None else (int(h[0]), int(h[1]))
+        ws._snapshot_done = bool(meta["snapshot_done"])
+        (
+            ws.contract_violations, ws.decode_errors, ws.written,
+            ws.absorbed_desired, ws.absorbed_persist, ws.dropped_below_baseline,
+        ) = (int(x) for x in meta["counters"])
+        a = meta.get("adopted")
+        ws.adopted = None if a is None else Frontier.from_json(a)
+        ws.unproven = meta.get("unproven")
+        for sid, sm in meta.get("staged", {}).items():
+            ws._staged[sid] = (Frontier.from_json(sm["upper"]), part("su:" + sid), part("se:" + sid))
+            for k in sm["parts"]:
+                ws._staged_parts[k] = sid
+        return ws
 
     # -- descriptions -----------------------------------------------------------------------
     def absorb_description(self, desc: BatchDescription) -> bool:
@@ -675,6 +885,8 @@ class WriteState:
             return Skip(d, f"lower {d.lower} < persist frontier {self.persist_frontier}")
         if self._snapshot_upper is not None or not self._snapshot_done:
             return Wait(d, "the shard snapshot has not been absorbed")
+        if self.unproven is not None:
+            return Refuse(d, self.unproven)
         if self.persist_frontier.less_than(d.lower):
             return Wait(d, f"persist frontier {self.persist_frontier} < lower {d.lower}")
         if not d.upper.less_equal(self.desired_frontier):

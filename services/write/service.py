@@ -1,72 +1,119 @@
-"""The write service: keeps the correction buffer ``desired - shard`` per desired partition
-and stages the difference for each batch description. It never appends.
+"""The write service: keeps the correction buffer ``desired - shard`` per writer partition and
+stages the difference for each batch description. It never appends.
 
 Contract (the seeds' write operator, with Kafka making order and completeness explicit):
 
 - inputs: the sink's desired topic (updates and progress, partitioned by row hash), ``descs``
   (batch descriptions), ``frontiers`` (shard upper advances: a cue to read the shard back);
-- state: one :class:`shared.sink_state.WriteState` per desired partition. Desired updates go
-  in positively; the shard's own contents (a snapshot at start, then each appended range,
-  read from the shard itself) go in negated, routed by the same row hash;
+- state: one :class:`shared.sink_state.WriteState` per writer partition (= desired topic
+  partition), kept in **Spark's state store on the executors** (``applyInPandasWithState``
+  keyed by writer partition) and checkpointed by Spark together with the source offsets.
+  Desired updates go in positively; the shard's own contents (a snapshot at the partition's
+  first start, then each appended range) go in negated, routed by the same row hash;
 - for a description whose lower equals the persist frontier and whose upper is at or below
   the partition's desired frontier, the partition stages its consolidated updates before
-  ``upper`` as data objects, and reports on ``batches`` (also when there is nothing to write);
+  ``upper`` as data objects (named ``...-w<p>of<n>.parquet``), and reports on ``batches``
+  (also when there is nothing to write);
 - bad input (undecodable messages, rows that do not match the schema, updates below their
   partition's progress) becomes error rows at their time, in the shard's error collection.
 
-Recovery: the state is rebuilt at query start (desired topic from the earliest offset, shard
-snapshot at its upper), so a killed writer comes back in step; re-written descriptions are
-recognised by the appender (one report per partition per description).
+Where the work runs. Executors: decoding (one task per Kafka partition, ``mapInArrow``, which
+also routes each record to its writer partition and copies control messages to every
+partition), then one task per writer partition that absorbs the desired updates, reads the
+shard back, consolidates, decides and stages Parquet objects to S3. A partition's own staged
+objects come back from its state when they are appended (no read, no re-encode); only
+objects written by others (a racing replica, the controller's ``Append``, compaction) are
+read and routed row by row. The driver sees only the reports (one small row per partition per
+description) and produces them.
 
-Micro-batch commit order (``foreachBatch``, all on the driver except decoding):
+Recovery: a restarted query resumes from its checkpoint (``<checkpoint root>/write/<sink>-e<epoch>``,
+durable across restarts): state and offsets together, so nothing is re-read from the topic's
+history and recovery time depends on the state's size (the in-flight difference), not on
+history. Every micro-batch is bounded by admission control (``maxRecordsPerTrigger``), also
+the catch-up after a long outage. A re-run micro-batch (a failed attempt) re-stages from the
+previous state version; the appender appends one report per partition per description, and
+the orphaned objects are collected after the grace period.
 
-1. decode the micro-batch in the executors (one task per Kafka partition), collect;
-2. absorb desired updates and progress, partition by partition, in offset order;
+Retention safety (the contract; see README "Retention safety"):
+
+- the sink never retracts a row only because its insert is no longer on the desired topic;
+- a writer partition proves it has seen the desired history behind the shard by reading its
+  partition from offset 0 (a fresh checkpoint starts there) or from its checkpoint's offsets,
+  with nothing deleted in between. The source compares each micro-batch's start offsets with
+  the partition's low watermark and marks a gap (:data:`shared.io.spark_kafka.HISTORY_GAP_HEADER`);
+- a gap after the partition absorbed anything (shard rows or desired updates) cannot be
+  proven harmless: the partition refuses to write (:class:`shared.sink_state.Refuse`), so the
+  sink writes nothing, and nothing that deletes. It logs
+  :class:`shared.errors.HistoryUnprovenError`, sets the metric
+  ``shardsink_write_history_unproven_partitions`` and the sink's health object, which
+  ``shardsink status`` shows, and stays so until an operator acts:
+  ``shardsink sink adopt <sink>`` (or ``sink create --adopt-shard``) takes the shard's
+  current contents as the desired baseline (a new epoch, a fresh checkpoint) and corrects
+  only from the shard's upper on;
+- a gap before anything was absorbed (a sink created on an empty collection, or an adopted
+  baseline) is harmless: the sink writes what it reads, as before.
+
+Micro-batch order inside a writer partition's task (all on the executor):
+
+1. restore the state from the store (or start it: absorb the shard's snapshot, or adopt it);
+2. absorb history gaps, desired updates and progress in offset order;
 3. read the shard's head; absorb (negated) everything appended since the persist frontier;
-4. absorb descriptions; for each partition decide; stage data objects (S3, in parallel);
-5. produce the reports and flush them; only then does Spark commit the micro-batch.
+4. absorb descriptions; decide; stage data objects (S3); save the state; emit reports.
+
+Then on the driver (``foreachBatch`` over the reports): produce the reports and flush them;
+only then does Spark commit the micro-batch (state, offsets).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
+import os
+import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from services.common import ServiceSettings, checkpoint_path
 from services.sinkio import (
     KIND_BAD,
     KIND_CONTROL,
+    KIND_GAP,
     KIND_PROGRESS,
     KIND_UPDATE,
     ControlProducer,
-    collect_decoded,
+    ROUTED_DDL,
+    decode_partition,
     u64,
 )
-from shared.avro_arrow import rows_to_arrow
 from shared.catalog import SinkDef
-from shared.codec import RowCodec, message_codec
-from shared.desired import row_partition
-from shared.errors import DecodeError, ShardsinkError
+from shared.errors import DecodeError, HistoryUnprovenError, ShardsinkError
 from shared.frontier import Frontier
-from shared.shard import DIFF, ERROR, TIME, Shard
 from shared.sink_state import (
     BatchDescription,
     NothingToWrite,
+    Refuse,
     Stage,
     WriteState,
     error_partition,
 )
 
 log = logging.getLogger("shardsink.write")
+
+#: One row per writer partition per micro-batch: reports to produce, refusals, statistics.
+OUTPUT_DDL = "wp int, kind string, body string"
+STATE_DDL = "state binary"
+_TAG = re.compile(r"-w(\d+)of(\d+)\.parquet$")
+
+
+def part_tag(key: str) -> tuple[int, int] | None:
+    """``(partition, count)`` of a data object staged by a writer partition, else None."""
+    m = _TAG.search(key)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 @dataclass
@@ -80,266 +127,411 @@ class WriteMetrics:
     micro_batches: int = 0
     buffer_updates: int = 0
     buffer_bytes: int = 0
+    history_unproven_partitions: int = 0
 
 
-@dataclass
-class SinkWriter:
-    """The write side of one sink, driven by micro-batches (pure decisions in WriteState)."""
+@dataclass(frozen=True)
+class WriteJob:
+    """What a writer partition's task needs (pickled to the executors)."""
 
     sink: SinkDef
     settings: ServiceSettings
-    shard: Shard
-    row_codec: RowCodec
     partitions: int
-    producer: ControlProducer
-    states: list[WriteState] = field(default_factory=list)
-    metrics: WriteMetrics = field(default_factory=WriteMetrics)
-    hydrated: bool = False
-    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=8))
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    schema_json: str
+    descs_topic: str
+
+
+# -- executor side ------------------------------------------------------------------------------
+
+_CONTEXTS: dict[tuple[str, int, str], Any] = {}
+
+
+class _Context:
+    """Per executor process and sink: the shard handle and the row codec (built once)."""
+
+    def __init__(self, job: WriteJob) -> None:
+        from shared.codec import RowCodec
+        from shared.shard import Shard
+
+        self.job = job
+        self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
+        self.codec = RowCodec(json.loads(job.schema_json))
 
     @staticmethod
-    def create(sink: SinkDef, settings: ServiceSettings, partitions: int) -> SinkWriter:
-        shard = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms)
-        codec = RowCodec(shard.refresh().schema)
-        w = SinkWriter(
-            sink=sink,
-            settings=settings,
-            shard=shard,
-            row_codec=codec,
-            partitions=partitions,
-            producer=ControlProducer.create(settings.kafka, f"write-{sink.sink_id}"),
-        )
-        w.states = [WriteState(sink.sink_id, p, partitions) for p in range(partitions)]
-        return w
+    def of(job: WriteJob) -> _Context:
+        k = (job.sink.sink_id, job.sink.epoch, job.sink.collection_id)
+        ctx = _CONTEXTS.get(k)
+        if ctx is None:
+            ctx = _CONTEXTS[k] = _Context(job)
+        return ctx
 
-    # -- keys ------------------------------------------------------------------------------
-    def _partition_of_key(self, key: bytes) -> int:
-        return row_partition(self.row_codec.partition_key(key), self.partitions)
+    # -- rows of the shard -> keys of one partition ------------------------------------------
+    def keys_of(self, table: pa.Table, wp: int, *, routed: bool) -> tuple[list[bytes], list[int], list[int], list[bytes], list[int], list[int]]:
+        """Rows (part schema) -> (keys, times, diffs, error keys, error times, error diffs)
+        of writer partition ``wp``; ``routed``: every row is known to be ``wp``'s."""
+        from shared.desired import row_partition
+        from shared.shard import DIFF, ERROR, TIME
 
-    def _rows_to_keys(self, table: pa.Table) -> tuple[list[list[bytes]], list[list[int]], list[list[int]], list[list[bytes]], list[list[int]], list[list[int]]]:
-        """Split shard rows (row columns, _error, _time, _diff) into per-partition keys."""
-        n = self.partitions
-        keys: list[list[bytes]] = [[] for _ in range(n)]
-        times: list[list[int]] = [[] for _ in range(n)]
-        diffs: list[list[int]] = [[] for _ in range(n)]
-        ekeys: list[list[bytes]] = [[] for _ in range(n)]
-        etimes: list[list[int]] = [[] for _ in range(n)]
-        ediffs: list[list[int]] = [[] for _ in range(n)]
+        n = self.job.partitions
+        keys: list[bytes] = []
+        times: list[int] = []
+        diffs: list[int] = []
+        ekeys: list[bytes] = []
+        etimes: list[int] = []
+        ediffs: list[int] = []
         if table.num_rows == 0:
             return keys, times, diffs, ekeys, etimes, ediffs
-        names = self.shard.row_columns
-        rows = table.select(names).to_pylist()
+        rows = table.select(self.shard.row_columns).to_pylist()
         errs = table[ERROR].to_pylist()
         ts = table[TIME].to_pylist()
         ds = table[DIFF].to_pylist()
         for row, err, t, d in zip(rows, errs, ts, ds, strict=True):
             if err is not None:
-                p = error_partition(err, n)
-                ekeys[p].append(err.encode())
-                etimes[p].append(t)
-                ediffs[p].append(d)
+                if routed or error_partition(err, n) == wp:
+                    ekeys.append(err.encode())
+                    etimes.append(t)
+                    ediffs.append(d)
                 continue
-            key = self.row_codec.encode(row)
-            p = self._partition_of_key(key)
-            keys[p].append(key)
-            times[p].append(t)
-            diffs[p].append(d)
+            key = self.codec.encode(row)
+            if routed or row_partition(self.codec.partition_key(key), n) == wp:
+                keys.append(key)
+                times.append(t)
+                diffs.append(d)
         return keys, times, diffs, ekeys, etimes, ediffs
 
-    # -- hydration -------------------------------------------------------------------------
-    def hydrate(self) -> None:
-        """Negate the shard's snapshot at its upper into every partition's buffer."""
+    def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier) -> tuple[Any, ...]:
+        """Rows of ``ws``'s partition in the given objects with ``lower <= time < upper``:
+        own staged objects from the state, objects tagged for other partitions skipped, the
+        rest read and routed."""
+        import pyarrow.compute as pc
+
+        from shared.shard import TIME
+
+        wp, n = ws.partition, self.job.partitions
+        out: list[list[Any]] = [[], [], [], [], [], []]
+        routed: list[str] = []
+        unrouted: list[str] = []
+        for k in keys:
+            own = ws.take_staged(k)
+            if own is not None:
+                u, e = own
+                for i, part in enumerate((u.keys.to_pylist(), u.times.tolist(), u.diffs.tolist(),
+                                          e.keys.to_pylist(), e.times.tolist(), e.diffs.tolist())):
+                    out[i].extend(part)
+                continue
+            tag = part_tag(k)
+            if tag is not None and tag[1] == n:
+                if tag[0] == wp:
+                    routed.append(k)
+                continue  # another partition's rows
+            unrouted.append(k)
+        for ks, is_routed in ((routed, True), (unrouted, False)):
+            if not ks:
+                continue
+            table = self.shard.read_parts(ks)
+            if table.num_rows and (lower is not None or upper.time is not None):
+                mask = None
+                if lower is not None:
+                    mask = pc.greater_equal(table[TIME], pa.scalar(lower, pa.uint64()))
+                if upper.time is not None:
+                    m2 = pc.less(table[TIME], pa.scalar(upper.time, pa.uint64()))
+                    mask = m2 if mask is None else pc.and_(mask, m2)
+                table = table.filter(mask)
+            for i, part in enumerate(self.keys_of(table, wp, routed=is_routed)):
+                out[i].extend(part)
+        return tuple(out)
+
+    # -- steps -------------------------------------------------------------------------------
+    def start(self, ws: WriteState) -> None:
+        """A partition's first start: absorb the shard's contents negated, or adopt them."""
         state = self.shard.refresh()
         upper = state.upper
-        if upper.time is not None and upper.time > 0 and state.since.less_equal(Frontier.at(upper.time - 1)):
-            snap = self.shard.snapshot(upper.time - 1)
-            at = upper.time - 1
-            snap = snap.append_column(TIME, pa.array([at] * snap.num_rows, pa.uint64()))
-        else:
-            snap = self.shard.part_schema.empty_table().select([*self.shard.row_columns, ERROR, DIFF])
-            snap = snap.append_column(TIME, pa.array([], pa.uint64()))
-        k, t, d, ek, et, ed = self._rows_to_keys(snap)
-        for p, ws in enumerate(self.states):
-            ws.absorb_persist_snapshot(
-                upper, k[p], np.array(t[p], np.uint64), np.array(d[p], np.int64),
-                error_keys=ek[p], error_times=np.array(et[p], np.uint64), error_diffs=np.array(ed[p], np.int64),
-            )
-        self.hydrated = True
-        log.info("hydrated from shard upper %s (%d rows)", upper, snap.num_rows, extra={"sink_id": self.sink.sink_id})
+        if self.job.sink.adopt_shard:
+            ws.adopt_baseline(upper)
+            log.info("partition %d adopted the shard's contents below %s as its baseline", ws.partition, upper)
+            return
+        keys = [p.key for b in state.batches for p in b.parts] if upper.time != 0 else []
+        k, t, d, ek, et, ed = self.read_objects(ws, keys, None, upper)
+        ws.absorb_persist_snapshot(
+            upper, k, np.array(t, np.uint64), np.array(d, np.int64),
+            error_keys=ek, error_times=np.array(et, np.uint64), error_diffs=np.array(ed, np.int64),
+        )
 
-    def read_back(self) -> None:
+    def read_back(self, ws: WriteState) -> None:
         """Absorb (negated) everything the shard gained since the persist frontier."""
-        persist = self.states[0].persist_frontier
+        persist = ws.persist_frontier
+        if persist.time is None:
+            return
         state = self.shard.refresh()
-        if not persist.less_than(state.upper) or persist.time is None:
+        if not persist.less_than(state.upper):
             return
-        table = self.shard.updates_between(state, persist.time, state.upper)
-        k, t, d, ek, et, ed = self._rows_to_keys(table)
-        for p, ws in enumerate(self.states):
-            ws.absorb_persist_batch(
-                persist, state.upper, k[p], np.array(t[p], np.uint64), np.array(d[p], np.int64),
-                error_keys=ek[p], error_times=np.array(et[p], np.uint64), error_diffs=np.array(ed[p], np.int64),
-            )
+        keys = [p.key for b in state.batches if not b.upper.less_equal(persist) for p in b.parts]
+        k, t, d, ek, et, ed = self.read_objects(ws, keys, persist.time, state.upper)
+        ws.absorb_persist_batch(
+            persist, state.upper, k, np.array(t, np.uint64), np.array(d, np.int64),
+            error_keys=ek, error_times=np.array(et, np.uint64), error_diffs=np.array(ed, np.int64),
+        )
 
-    # -- desired input ---------------------------------------------------------------------
-    def absorb_desired(self, table: pa.Table, desired_topic: str) -> None:
-        """Updates and progress in offset order per partition (runs of updates vectorised)."""
-        if table.num_rows == 0:
-            return
-        kinds = table["kind"].to_pylist()
-        topics = table["topic"].to_pylist()
-        parts = table["partition"].to_pylist()
-        rows = table["row"].to_pylist()
-        times = table["time"].to_pylist()
-        diffs = table["diff"].to_pylist()
-        frs = table["frontier"].to_pylist()
-        closed = table["frontier_closed"].to_pylist()
-        errs = table["error"].to_pylist()
-        run: dict[int, tuple[list[bytes], list[int], list[int]]] = {}
+    def stage(self, ws: WriteState, decision: Stage) -> str:
+        from shared.avro_arrow import rows_to_arrow
+        from shared.shard import DIFF, ERROR, TIME
 
-        def flush(p: int) -> None:
-            r = run.pop(p, None)
-            if r and r[0]:
-                ws = self._state(p)
-                self.metrics.contract_violations += ws.absorb_desired_updates(
-                    r[0], np.array(r[1], np.uint64), np.array(r[2], np.int64)
-                )
-                self.metrics.desired_updates += len(r[0])
-
-        for i, kind in enumerate(kinds):
-            if topics[i] != desired_topic or kind == KIND_CONTROL:
-                continue
-            p = parts[i]
-            if kind == KIND_UPDATE:
-                t = u64(times[i])
-                assert t is not None
-                r = run.setdefault(p, ([], [], []))
-                r[0].append(rows[i])
-                r[1].append(t)
-                r[2].append(diffs[i])
-            elif kind == KIND_PROGRESS:
-                flush(p)
-                self._state(p).absorb_desired_progress(None if closed[i] else u64(frs[i]))
-            elif kind == KIND_BAD:
-                flush(p)
-                ws = self._state(p)
-                # A row that does not match the schema keeps its time and diff; a message
-                # that does not decode at all has none: it lands at the partition's frontier.
-                at = Frontier.at(u64(times[i]) or 0) if times[i] is not None else ws.desired_frontier.join(ws.persist_frontier)
-                if at.time is not None:
-                    ws.absorb_desired_error(errs[i] or "bad desired message", at.time, diffs[i] if diffs[i] is not None else 1)
-                    self.metrics.decode_errors += 1
-        for p in list(run):
-            flush(p)
-
-    def _state(self, p: int) -> WriteState:
-        if p >= len(self.states):
-            raise ShardsinkError(
-                f"expected desired partitions < {len(self.states)}, found {p}: the topic grew; "
-                "the writer restarts with the new partition count",
-                sink_id=self.sink.sink_id,
-            )
-        return self.states[p]
-
-    # -- staging ---------------------------------------------------------------------------
-    def _stage(self, decision: Stage) -> str:
         upd, errs = decision.updates, decision.errors
+        shard = self.shard
         parts: list[pa.Table] = []
         if len(upd):
-            dicts = [self.row_codec.decode(k) for k in upd.keys.to_pylist()]
-            body = rows_to_arrow(dicts, self.shard.head(max_age_s=1e9).schema) if dicts else None
-            assert body is not None
+            dicts = [self.codec.decode(k) for k in upd.keys.to_pylist()]
+            body = rows_to_arrow(dicts, shard.head(max_age_s=1e9).schema)
             body = body.append_column(TIME, pa.array(upd.times, pa.uint64()))
             body = body.append_column(DIFF, pa.array(upd.diffs, pa.int64()))
             body = body.append_column(ERROR, pa.nulls(len(upd), pa.string()))
-            parts.append(self.shard.to_table(body))
+            parts.append(shard.to_table(body))
         if len(errs):
             etab = pa.table(
                 {
-                    **{f.name: pa.nulls(len(errs), f.type) for f in self.shard.row_schema},
+                    **{f.name: pa.nulls(len(errs), f.type) for f in shard.row_schema},
                     TIME: pa.array(errs.times, pa.uint64()),
                     DIFF: pa.array(errs.diffs, pa.int64()),
                     ERROR: pa.array([k.decode("utf-8", "replace") for k in errs.keys.to_pylist()], pa.string()),
                 }
             )
-            parts.append(self.shard.to_table(etab))
-        staged = self.shard.stage(pa.concat_tables(parts))
-        self.metrics.rows_staged += staged.rows
-        self.metrics.batches_staged += 1
+            parts.append(shard.to_table(etab))
+        staged = shard.stage(pa.concat_tables(parts), tag=f"w{ws.partition}of{self.job.partitions}")
+        ws.remember_staged(decision.desc, [p.key for p in staged.parts], decision)
         return json.dumps(staged.to_json(), sort_keys=True)
 
-    def write_descriptions(self, descs: list[BatchDescription]) -> None:
-        for d in descs:
-            for ws in self.states:
-                ws.absorb_description(d)
-        decisions = [ws.maybe_write() for ws in self.states]
-        futures: list[tuple[Stage | NothingToWrite, Any]] = []
-        for dec in decisions:
-            if isinstance(dec, Stage):
-                futures.append((dec, self._pool.submit(self._stage, dec)))
-            elif isinstance(dec, NothingToWrite):
-                futures.append((dec, None))
-        codec = message_codec("written_batch")
-        now = int(time.time() * 1000)
-        for dec, fut in futures:
-            if isinstance(dec, Stage):
-                assert fut is not None
-                report = dec.report(fut.result(), now)
-            else:
-                assert isinstance(dec, NothingToWrite)
-                report = dec.report(now)
-            self.producer.send(self.settings.batches_topic, codec.encode(report.to_dict()), key=self.sink.sink_id.encode())
-            self.metrics.reports_sent += 1
-        self.producer.flush()
 
-    # -- one micro-batch -------------------------------------------------------------------
-    def process(self, table: pa.Table) -> None:
-        with self._lock:
-            if not self.hydrated:
-                self.hydrate()
-            self.absorb_desired(table, self.sink.desired_topic)
-            self.read_back()
-            descs: list[BatchDescription] = []
-            desc_codec = message_codec("batch_description")
-            control = table.filter(
-                pc.and_(pc.equal(table["kind"], KIND_CONTROL), pc.equal(table["topic"], self.settings.descs_topic))
-            ) if table.num_rows else table
-            for value in control["value"].to_pylist() if control.num_rows else []:
-                try:
-                    raw = desc_codec.decode(value or b"")
-                    d = BatchDescription.from_dict(raw)
-                except (DecodeError, ShardsinkError) as e:
-                    log.warning("skipping a bad description: %s", e, extra={"sink_id": self.sink.sink_id})
-                    continue
-                if d.sink_id == self.sink.sink_id:
-                    descs.append(d)
-            self.write_descriptions(descs)
-            self.metrics.micro_batches += 1
-            self.metrics.buffer_updates = sum(ws.correction.size() + ws.errors.size() for ws in self.states)
-            self.metrics.buffer_bytes = sum(ws.correction.bytes() + ws.errors.bytes() for ws in self.states)
+def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
+    """Gaps, updates and progress of one partition in offset order (runs of updates
+    vectorised). Returns the number of undecodable messages met."""
+    kinds = table["kind"].to_pylist()
+    rows = table["row"].to_pylist()
+    times = table["time"].to_pylist()
+    diffs = table["diff"].to_pylist()
+    frs = table["frontier"].to_pylist()
+    closed = table["frontier_closed"].to_pylist()
+    errs = table["error"].to_pylist()
+    topics = table["topic"].to_pylist()
+    has_time = table["has_time"].to_pylist()
+    has_diff = table["has_diff"].to_pylist()
+    run: tuple[list[bytes], list[int], list[int]] = ([], [], [])
+    bad = 0
+
+    def flush() -> None:
+        if run[0]:
+            ws.absorb_desired_updates(run[0], np.array(run[1], np.uint64), np.array(run[2], np.int64))
+            for r in run:
+                r.clear()
+
+    for i, kind in enumerate(kinds):
+        if topics[i] != desired_topic or kind == KIND_CONTROL:
+            continue
+        if kind == KIND_UPDATE:
+            t = u64(times[i])
+            assert t is not None
+            run[0].append(rows[i])
+            run[1].append(t)
+            run[2].append(diffs[i])
+            continue
+        flush()
+        if kind == KIND_PROGRESS:
+            ws.absorb_desired_progress(None if closed[i] else u64(frs[i]))
+        elif kind == KIND_GAP:
+            ws.absorb_history_gap(int(frs[i]), int(times[i]))
+        elif kind == KIND_BAD:
+            # A row that does not match the schema keeps its time and diff; a message that does
+            # not decode at all has none: it lands at the partition's frontier.
+            at = Frontier.at(u64(times[i]) or 0) if has_time[i] else ws.desired_frontier.join(ws.persist_frontier)
+            if at.time is not None:
+                ws.absorb_desired_error(errs[i] or "bad desired message", at.time, diffs[i] if has_diff[i] else 1)
+                bad += 1
+    flush()
+    return bad
+
+
+def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) -> Iterator[Any]:
+    """``applyInPandasWithState``'s function: one writer partition, one micro-batch."""
+    import pandas as pd
+    import pyarrow.compute as pc
+
+    from shared.codec import message_codec
+
+    wp = int(key[0])
+    frames = [pdf for pdf in pdfs if len(pdf)]
+    table = (
+        pa.Table.from_pandas(pd.concat(frames, ignore_index=True), preserve_index=False)
+        if frames
+        else None
+    )
+    ctx = _Context.of(job)
+    if state.exists:
+        ws = WriteState.from_checkpoint(state.get[0])
+    else:
+        ws = WriteState(job.sink.sink_id, wp, job.partitions)
+        ctx.start(ws)
+    out: list[dict[str, Any]] = []
+    descs: list[BatchDescription] = []
+    if table is not None and table.num_rows:
+        table = table.sort_by([("offset", "ascending")])
+        desired = table.filter(pc.equal(table["topic"], job.sink.desired_topic))
+        absorb_input(ws, desired, job.sink.desired_topic)
+        control = table.filter(pc.equal(table["topic"], job.descs_topic))
+        desc_codec = message_codec("batch_description")
+        for value in control["value"].to_pylist():
+            try:
+                d = BatchDescription.from_dict(desc_codec.decode(value or b""))
+            except (DecodeError, ShardsinkError) as e:
+                log.warning("skipping a bad description: %s", e)
+                continue
+            if d.sink_id == job.sink.sink_id:
+                descs.append(d)
+    ctx.read_back(ws)
+    for d in descs:
+        ws.absorb_description(d)
+    decision = ws.maybe_write()
+    now = int(time.time() * 1000)
+    if isinstance(decision, Stage):
+        handle = ctx.stage(ws, decision)
+        out.append({"wp": wp, "kind": "report", "body": json.dumps(decision.report(handle, now).to_dict())})
+    elif isinstance(decision, NothingToWrite):
+        out.append({"wp": wp, "kind": "report", "body": json.dumps(decision.report(now).to_dict())})
+    elif isinstance(decision, Refuse):
+        out.append({"wp": wp, "kind": "refuse", "body": decision.reason})
+    stats = {
+        "desired_updates": ws.absorbed_desired,
+        "decode_errors": ws.decode_errors,
+        "contract_violations": ws.contract_violations,
+        "buffer_updates": ws.correction.size() + ws.errors.size(),
+        "buffer_bytes": ws.correction.bytes() + ws.errors.bytes(),
+        "unproven": ws.unproven,
+    }
+    out.append({"wp": wp, "kind": "stats", "body": json.dumps(stats)})
+    state.update((ws.to_checkpoint(),))
+    yield pd.DataFrame(out, columns=["wp", "kind", "body"]).astype({"wp": "int32"})
+
+
+# -- driver side --------------------------------------------------------------------------------
+
+
+@dataclass
+class SinkWriter:
+    """The driver's part of one sink's write query: produce the partitions' reports, keep the
+    metrics, publish the sink's health (what ``shardsink status`` shows)."""
+
+    sink: SinkDef
+    settings: ServiceSettings
+    partitions: int
+    producer: ControlProducer
+    metrics: WriteMetrics = field(default_factory=WriteMetrics)
+    #: latest statistics per writer partition (cumulative counters and gauges)
+    stats: dict[int, dict[str, Any]] = field(default_factory=dict)
+    unproven: dict[int, str] = field(default_factory=dict)
+
+    def handle(self, rows: pa.Table) -> None:
+        """One micro-batch of the stateful step's output (a few rows per partition)."""
+        from shared.codec import message_codec
+        from shared.sink_state import BatchReport
+
+        codec = message_codec("written_batch")
+        wps = rows["wp"].to_pylist() if rows.num_rows else []
+        kinds = rows["kind"].to_pylist() if rows.num_rows else []
+        bodies = rows["body"].to_pylist() if rows.num_rows else []
+        refused: dict[int, str] = {}
+        for wp, kind, body in zip(wps, kinds, bodies, strict=True):
+            if kind == "report":
+                report = BatchReport.from_dict(json.loads(body))
+                self.producer.send(self.settings.batches_topic, codec.encode(report.to_dict()), key=self.sink.sink_id.encode())
+                self.metrics.reports_sent += 1
+                if report.staged is not None:
+                    self.metrics.batches_staged += 1
+                    self.metrics.rows_staged += report.rows
+            elif kind == "refuse":
+                refused[wp] = body
+            elif kind == "stats":
+                self.stats[wp] = json.loads(body)
+        self.producer.flush()
+        self.metrics.micro_batches += 1
+        m = self.metrics
+        vals = list(self.stats.values())
+        m.desired_updates = sum(int(s["desired_updates"]) for s in vals)
+        m.decode_errors = sum(int(s["decode_errors"]) for s in vals)
+        m.contract_violations = sum(int(s["contract_violations"]) for s in vals)
+        m.buffer_updates = sum(int(s["buffer_updates"]) for s in vals)
+        m.buffer_bytes = sum(int(s["buffer_bytes"]) for s in vals)
+        unproven = {wp: s["unproven"] for wp, s in self.stats.items() if s.get("unproven")}
+        unproven.update(refused)
+        m.history_unproven_partitions = len(unproven)
+        if unproven != self.unproven:
+            self.unproven = unproven
+            self.publish_health()
+
+    def publish_health(self) -> None:
+        from shared.catalog import SinkHealth, put_sink_health
+
+        if self.unproven:
+            err = HistoryUnprovenError(
+                f"expected sink {self.sink.sink_id!r} to have seen the desired history behind "
+                f"its shard, found partitions {sorted(self.unproven)} missing part of it: "
+                f"{next(iter(self.unproven.values()))}. The sink writes nothing until an "
+                f"operator runs `shardsink sink adopt {self.sink.sink_id}`",
+                sink_id=self.sink.sink_id,
+            )
+            log.error("%s", err, extra={"sink_id": self.sink.sink_id})
+            health = SinkHealth(self.sink.sink_id, self.sink.epoch, "refusing", str(err), sorted(self.unproven))
+        else:
+            health = SinkHealth(self.sink.sink_id, self.sink.epoch, "ok", "", [])
+        try:
+            put_sink_health(self.settings.store(), health)
+        except ShardsinkError as e:  # the log line and metric stand; status catches up later
+            log.warning("could not publish the sink's health: %s", e, extra={"sink_id": self.sink.sink_id})
 
 
 def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkWriter] | None = None) -> Any:
     from shared.io.kafka_admin import topic_partition_count
     from shared.io.spark_kafka import kafka_read_stream
+    from shared.shard import Shard
 
     partitions = topic_partition_count(settings.kafka, sink.desired_topic)
-    writer = SinkWriter.create(sink, settings, partitions)
+    shard = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms)
+    schema_json = json.dumps(shard.refresh().schema)
+    writer = SinkWriter(
+        sink=sink,
+        settings=settings,
+        partitions=partitions,
+        producer=ControlProducer.create(settings.kafka, f"write-{sink.sink_id}"),
+    )
     if registry is not None:
         registry[sink.sink_id] = writer
+    job = WriteJob(sink, settings, partitions, schema_json, settings.descs_topic)
     df = kafka_read_stream(
-        spark, settings.kafka, [sink.desired_topic, settings.descs_topic, settings.frontiers_topic], starting_offsets="earliest"
+        spark,
+        settings.kafka,
+        [sink.desired_topic, settings.descs_topic, settings.frontiers_topic],
+        starting_offsets="earliest",
+        max_records_per_trigger=settings.max_records_per_trigger,
+        history_gap_topics=[sink.desired_topic],
+        simulated_low_watermarks_file=settings.simulated_low_watermarks_file,
     )
-    schema_json = json.dumps(writer.shard.refresh().schema)
-    desired_topic = sink.desired_topic
+    routed = df.select("topic", "partition", "offset", "value", "headers").mapInArrow(
+        decode_partition(sink.desired_topic, schema_json, route_to=partitions),
+        ROUTED_DDL,
+    )
+
+    def fn(key: Any, pdfs: Iterator[Any], state: Any) -> Iterator[Any]:
+        return write_partition(job, key, pdfs, state)
+
+    reports = routed.groupBy("wp").applyInPandasWithState(
+        fn, OUTPUT_DDL, STATE_DDL, "append", "NoTimeout"
+    )
 
     def each(batch_df: Any, batch_id: int) -> None:
-        table = collect_decoded(batch_df, desired_topic, row_schema_json=schema_json)
-        writer.process(table)
+        writer.handle(batch_df.toArrow())
 
+    # The state store's partitions are fixed by the checkpoint's first run: one per writer
+    # partition, so each partition's state lives in its own task.
+    spark.conf.set("spark.sql.shuffle.partitions", str(max(1, partitions)))
     return (
-        df.writeStream.foreachBatch(each)
+        reports.writeStream.foreachBatch(each)
         .option("checkpointLocation", checkpoint_path(settings, "write", sink))
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"write-{sink.sink_id}-{sink.epoch}")

@@ -28,6 +28,18 @@ triggers are supported and stop at the ends seen when the query started);
 batch); ``recordsPerArrowBatch`` (default 20000); ``kafka.<librdkafka option>`` passed through
 (SASL/TLS: see :mod:`shared.io.kafka`).
 
+``historyGapTopics`` (comma list): for these topics the source says when history is missing
+instead of failing or skipping silently. A fresh query starts them at offset 0 (not at the
+low watermark), and every micro-batch compares its start offsets with the partitions' low
+watermarks: offsets ``[start, low)`` that retention deleted are skipped, and the partition's
+range begins with one marker record (``value`` null, ``offset`` = the first lost offset, header
+``shardsink-history-gap`` = ``"<from>-<to>"``). The write service uses it to prove, or refuse
+to assume, that it saw the whole desired history (retention safety).
+``simulatedLowWatermarksFile`` (tests only): a JSON file ``{topic: {partition: offset}}``
+read at every micro-batch; the source treats those offsets as the partitions' low watermarks
+(as if retention had deleted the records below them), because the embedded broker (Tansu)
+rejects DeleteRecords.
+
 Offsets in the checkpoint are JSON ``{topic: {partition: next_offset}}``. Every latestOffset
 re-reads the topics' partitions, so partitions (and topics listed but not yet created) that
 appear later are picked up, starting at offset 0. Ends are found with
@@ -266,6 +278,8 @@ class SourceOptions:
     fail_on_data_loss: bool = True
     records_per_arrow_batch: int = 20_000
     timeout_s: float = 60.0
+    history_gap_topics: tuple[str, ...] = ()
+    simulated_low_watermarks_file: str | None = None
 
     @staticmethod
     def parse(options: Mapping[str, str]) -> SourceOptions:
@@ -287,18 +301,26 @@ class SourceOptions:
             fail_on_data_loss=_bool(low, "failondataloss", True),
             records_per_arrow_batch=_int(low, "recordsperarrowbatch", 20_000) or 20_000,
             timeout_s=float(low.get("timeoutseconds", 60.0)),
+            history_gap_topics=tuple(
+                t.strip() for t in str(low.get("historygaptopics", "")).split(",") if t.strip()
+            ),
+            simulated_low_watermarks_file=low.get("simulatedlowwatermarksfile") or None,
         )
 
 
 class KafkaInputPartition(InputPartition):
     """One topic-partition's offset range ``[start, end)`` of a micro-batch."""
 
-    def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
-        super().__init__((topic, partition, start, end))
+    def __init__(
+        self, topic: str, partition: int, start: int, end: int, lost_from: int | None = None
+    ) -> None:
+        super().__init__((topic, partition, start, end, lost_from))
         self.topic = topic
         self.partition = partition
         self.start = start
         self.end = end
+        #: offsets ``[lost_from, start)`` were deleted by retention (historyGapTopics only)
+        self.lost_from = lost_from
 
 
 class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -346,6 +368,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         earliest: Offsets = {}
         for t in self.options.topics:
             parts = self._parts(t)
+            if t in self.options.history_gap_topics:
+                earliest[t] = {p: 0 for p in parts}  # lost history shows in the first batch
+                continue
             wm = self._p().watermarks([(t, p) for p in parts], earliest=True)
             earliest[t] = {p: wm[(t, p)] for p in parts}
         if starting == "earliest":
@@ -374,8 +399,35 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self.latest_ends()
 
+    def low_watermarks(self) -> Offsets:
+        """The first available offset of every partition of the history-gap topics (with the
+        simulated ones of ``simulatedLowWatermarksFile`` where higher)."""
+        out: Offsets = {}
+        topics = self.options.history_gap_topics
+        if not topics:
+            return out
+        tps = [(t, p) for t in topics for p in self._parts(t)]
+        for (t, p), o in self._p().watermarks(tps, earliest=True).items():
+            out.setdefault(t, {})[p] = o
+        path = self.options.simulated_low_watermarks_file
+        if path and os.path.exists(path):
+            with open(path) as f:
+                sim = json.load(f)
+            for t, ps in sim.items():
+                for p, o in ps.items():
+                    cur = out.setdefault(t, {})
+                    cur[int(p)] = max(int(o), cur.get(int(p), 0))
+        return out
+
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         s = offsets_from_json(start)
+        if self.options.history_gap_topics:
+            # Lost offsets are no records: admission control counts from the low watermark.
+            lows = self.low_watermarks()
+            s = {
+                t: {p: max(o, lows.get(t, {}).get(p, 0)) for p, o in ps.items()}
+                for t, ps in s.items()
+            }
         latest = self.latest_ends()
         if self._target is not None:
             target = self._target
@@ -393,10 +445,18 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return offsets_to_json(self._latest) if self._latest is not None else None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        return [
-            KafkaInputPartition(t, p, s, e)
-            for t, p, s, e in pending(offsets_from_json(start), offsets_from_json(end))
-        ]
+        ranges = pending(offsets_from_json(start), offsets_from_json(end))
+        if not self.options.history_gap_topics:
+            return [KafkaInputPartition(t, p, s, e) for t, p, s, e in ranges]
+        lows = self.low_watermarks()
+        out = []
+        for t, p, s, e in ranges:
+            low = lows.get(t, {}).get(p, 0)
+            if s < low:
+                out.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
+            else:
+                out.append(KafkaInputPartition(t, p, s, e))
+        return out
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # Spark keeps the offsets in its checkpoint; nothing to commit to Kafka
@@ -410,7 +470,48 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaInputPartition)
         o = self.options
+        lost_from = getattr(partition, "lost_from", None)
+        if lost_from is not None:
+            return _with_gap_marker(o, partition, lost_from)
         return read_range(
+            o.settings,
+            partition.topic,
+            partition.partition,
+            partition.start,
+            partition.end,
+            batch_size=o.records_per_arrow_batch,
+            fail_on_data_loss=o.fail_on_data_loss,
+            timeout_s=o.timeout_s,
+        )
+
+
+HISTORY_GAP_HEADER = "shardsink-history-gap"
+
+
+def _with_gap_marker(
+    o: SourceOptions, partition: KafkaInputPartition, lost_from: int
+) -> Iterator[pa.RecordBatch]:
+    """The marker record of lost offsets ``[lost_from, partition.start)``, then the range."""
+    import pyarrow as pa
+
+    schema = _arrow_schema()
+    marker = {"key": f"{lost_from}-{partition.start}".encode()}
+    yield pa.RecordBatch.from_pylist(
+        [
+            {
+                "key": None,
+                "value": None,
+                "topic": partition.topic,
+                "partition": partition.partition,
+                "offset": lost_from,
+                "timestamp": None,
+                "headers": [{"key": HISTORY_GAP_HEADER, "value": marker["key"]}],
+            }
+        ],
+        schema=schema,
+    )
+    if partition.end > partition.start:
+        yield from read_range(
             o.settings,
             partition.topic,
             partition.partition,
@@ -850,6 +951,8 @@ def kafka_read_stream(
     starting_offsets: str = "earliest",
     max_records_per_trigger: int | None = None,
     connector: str | None = None,
+    history_gap_topics: Sequence[str] = (),
+    simulated_low_watermarks_file: str | None = None,
 ) -> DataFrame:
     """A streaming DataFrame of Kafka records (columns as in the module docstring).
 
@@ -877,6 +980,10 @@ def kafka_read_stream(
         r = r.option(k, v)
     if max_records_per_trigger:
         r = r.option("maxRecordsPerTrigger", str(max_records_per_trigger))
+    if history_gap_topics:
+        r = r.option("historyGapTopics", ",".join(history_gap_topics))
+    if simulated_low_watermarks_file:
+        r = r.option("simulatedLowWatermarksFile", simulated_low_watermarks_file)
     return r.load()
 
 
