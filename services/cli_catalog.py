@@ -15,6 +15,7 @@ recorded), else the catalog.
     shardsink collection list                       # direct catalog/shard reads
     shardsink sink create orders-sink --topic orders-desired --collection orders [--read-only]
     shardsink sink allow-writes [orders-sink]       # no id: every sink (controller only)
+    shardsink sink adopt orders-sink                # after lost desired history: see README
     shardsink sink drop orders-sink
     shardsink sink list
 
@@ -80,9 +81,24 @@ def register(sub: Any) -> None:
     p.add_argument("--collection", required=True)
     p.add_argument("--as-of", type=int, default=None, help="start time (default: the collection's upper; 0 via catalog)")
     p.add_argument("--read-only", action="store_true")
+    p.add_argument(
+        "--adopt-shard", action="store_true",
+        help="take the collection's current contents as the desired baseline and correct only "
+        "from its upper on (the desired topic no longer holds the history behind them); "
+        "written to the catalog directly",
+    )
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_sink_create)
+    p = ssub.add_parser(
+        "adopt", help="a sink refusing to write after lost desired history: adopt the shard's contents",
+        description="The sink starts over (a new epoch, a fresh write checkpoint) taking its "
+        "collection's current contents as the desired baseline; it corrects only from the "
+        "shard's upper on. Written to the catalog directly.",
+    )
+    p.add_argument("sink_id")
+    add_connection_args(p)
+    p.set_defaults(func=_sink_adopt)
     p = ssub.add_parser("drop", help="drop a sink")
     p.add_argument("sink_id")
     add_via(p)
@@ -233,7 +249,7 @@ def _collection_list(args: argparse.Namespace) -> int:
 def _sink_create(args: argparse.Namespace) -> int:
     from shared.catalog import SinkDef
 
-    if _via_controller(args):
+    if _via_controller(args) and not args.adopt_shard:
         r = _call(args, "CreateSink", {
             "sink_id": args.sink_id, "collection_id": args.collection, "desired_topic": args.topic,
             "as_of": args.as_of, "read_only": bool(args.read_only), "options": {},
@@ -242,9 +258,18 @@ def _sink_create(args: argparse.Namespace) -> int:
         return 0
     as_of = 0 if args.as_of is None else args.as_of
     _settings(args).catalog().create_sink(
-        SinkDef(args.sink_id, args.topic, args.collection, as_of=as_of, read_only=args.read_only)
+        SinkDef(
+            args.sink_id, args.topic, args.collection, as_of=as_of, read_only=args.read_only,
+            adopt_shard=bool(args.adopt_shard),
+        )
     )
     print_json({"created": args.sink_id})
+    return 0
+
+
+def _sink_adopt(args: argparse.Namespace) -> int:
+    state = _settings(args).catalog().adopt_shard(args.sink_id)
+    print_json({"adopted": args.sink_id, "epoch": state.sink(args.sink_id).epoch})
     return 0
 
 

@@ -412,6 +412,18 @@ def desired_frontier(kafka: Any, topic: str, window: int = 1000, timeout_s: floa
     return out
 
 
+def sink_refusals(s: Any, sinks: list[Any]) -> dict[str, str]:
+    """The sinks whose writer refuses to write (their current epoch), with its reason."""
+    from shared.catalog import sink_health
+
+    out = {}
+    for k in sinks:
+        h = sink_health(s.store(), k.sink_id)
+        if h is not None and h.get("state") == "refusing" and h.get("epoch") == k.epoch:
+            out[k.sink_id] = str(h.get("message", ""))
+    return out
+
+
 def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
     """One dict per live collection (see the module docstring)."""
     from shared.errors import ShardsinkError
@@ -441,6 +453,9 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
                     lag = 0 if st.upper.is_empty() else None
                 elif not st.upper.is_empty():
                     lag = max(0, (furthest.time or 0) - (st.upper.time or 0))
+            health = sink_refusals(s, sinks)
+            if health:
+                entry["refusing"] = health
             entry.update({
                 "upper": st.upper.to_json(),
                 "since": st.since.to_json(),
@@ -475,4 +490,7 @@ def _status(args: argparse.Namespace) -> int:
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"warning: {r['collection']}: {r['error']}", file=sys.stderr)
+    for r in rows:
+        for sid, msg in r.get("refusing", {}).items():
+            print(f"error: sink {sid} refuses to write: {msg}", file=sys.stderr)
     return 0

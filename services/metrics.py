@@ -6,7 +6,9 @@ Exported (labels ``sink`` or ``collection``):
 - ``shardsink_descriptions_minted_total``, ``shardsink_mint_desired_frontier``
 - ``shardsink_write_desired_updates_total``, ``shardsink_write_decode_errors_total``,
   ``shardsink_write_contract_violations_total``, ``shardsink_write_batches_staged_total``,
-  ``shardsink_write_correction_updates``, ``shardsink_write_correction_bytes``
+  ``shardsink_write_correction_updates``, ``shardsink_write_correction_bytes``,
+  ``shardsink_write_history_unproven_partitions`` (writer partitions refusing to write
+  because desired history they cannot prove they saw was lost to retention)
 - ``shardsink_append_batches_total``, ``shardsink_append_upper_mismatches_total``,
   ``shardsink_append_staged_deleted_total``
 - ``shardsink_shard_upper``, ``shardsink_shard_since``, ``shardsink_shard_upper_lag``
@@ -67,6 +69,13 @@ class ServicesCollector(Collector):
             for sink_id, w in list(s.writers.items()):
                 g.add_metric([sink_id], getattr(w.metrics, field))
             yield g
+        g = GaugeMetricFamily(
+            "shardsink_write_history_unproven_partitions",
+            "writer partitions refusing to write: desired history lost to retention", labels=["sink"],
+        )
+        for sink_id, w in list(s.writers.items()):
+            g.add_metric([sink_id], w.metrics.history_unproven_partitions)
+        yield g
         for field, name, doc in (
             ("appends", "batches", "batches appended"),
             ("upper_mismatches", "upper_mismatches", "compare_and_append upper mismatches"),
