@@ -38,7 +38,8 @@ after the commit is finished by the next controller. Waiting peeks are logged as
 and restarted on recovery.
 
 The rooms implement the hooks declared at the end of :class:`CommandLoop`;
-:class:`services.controller.service.Controller` puts them together.
+:class:`services.controller.service.Controller` puts them together and runs this loop in
+its process (start, serve, recover again after a transient failure, stop).
 """
 
 from __future__ import annotations
