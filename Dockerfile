@@ -7,6 +7,7 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY shardsink ./shardsink
 COPY shared ./shared
 COPY services ./services
 COPY schemas ./schemas

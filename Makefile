@@ -64,11 +64,11 @@ chaos: $(STAMP)
 
 lint: $(STAMP)
 	$(VPY) -m pip install --quiet -e '.[dev]'
-	$(VPY) -m ruff check shared services
+	$(VPY) -m ruff check shardsink shared services
 
 typecheck: $(STAMP)
 	$(VPY) -m pip install --quiet -e '.[dev]'
-	$(VPY) -m mypy shared services
+	$(VPY) -m mypy shardsink shared services
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -66,7 +66,7 @@ class Feed:
     """One collection fed by one desired topic: pre-encoded inserts and retractions."""
 
     def __init__(self, settings: Any, name: str, partitions: int) -> None:
-        from services.cli_catalog import create_collection
+        from shardsink.cli.catalog import create_collection
         from shared.catalog import SinkDef
         from shared.io.desired_producer import DesiredProducer
         from shared.io.kafka_admin import ensure_topic

@@ -351,7 +351,7 @@ def main() -> int:
     if args.baseline_worker:
         return baseline_worker(*args.baseline_worker)
 
-    from services.cli_catalog import create_collection
+    from shardsink.cli.catalog import create_collection
     from services.common import ServiceSettings
     from services.runner import ensure_control_topics
     from shared.catalog import SinkDef

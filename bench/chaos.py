@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     log(f"seed {args.seed}, {kills_wanted} kills, layout {layout}, faults {args.faults!r}, work dir {work}")
 
-    from services.cli_catalog import create_collection
+    from shardsink.cli.catalog import create_collection
     from services.common import ServiceSettings
     from services.controller.client import ControllerClient
     from services.runner import ensure_control_topics

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from services.cli_catalog import create_collection
+    from shardsink.cli.catalog import create_collection
     from services.common import ServiceSettings, configure_logging, spark_session
     from services.runner import Services
     from shared.catalog import SinkDef

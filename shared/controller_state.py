@@ -1,5 +1,5 @@
 """The controller's pure state: read capabilities, reported frontiers, the command log and
-subscribe progress. No I/O: ``services/controller/service.py`` performs the effects.
+subscribe progress. No I/O: the rooms of ``services/controller/`` perform the effects.
 
 Invariants kept here (from the reference storage and compute controllers):
 
@@ -18,6 +18,7 @@ Invariants kept here (from the reference storage and compute controllers):
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +75,71 @@ def sink_hold(upper: Frontier) -> Frontier:
     return upper.step_back() if upper.time is not None else Frontier.minimum()
 
 
+def collection_holds(
+    collection_id: str,
+    peeks: Iterable[tuple[str, str, int]],
+    subs: Mapping[str, Mapping[str, Any]],
+    sink_ids: Iterable[str],
+    upper: Frontier,
+) -> dict[str, Frontier]:
+    """The holds on one collection's since, by holder name.
+
+    ``peeks``: ``(command_id, collection_id, as_of)`` of waiting peeks; ``subs``: the
+    subscribes of the controller section (finished ones hold nothing); ``sink_ids``: the
+    live sinks writing this collection. Names are ``peek:<id>``, ``subscribe:<id>``,
+    ``sink:<id>``.
+    """
+    holds: dict[str, Frontier] = {}
+    for command_id, cid, as_of in peeks:
+        if cid == collection_id:
+            holds[f"peek:{command_id}"] = Frontier.at(as_of)
+    for sid, sub in subs.items():
+        if sub["collection_id"] == collection_id and sub.get("state") != "done":
+            holds[f"subscribe:{sid}"] = subscribe_hold(sub)
+    for sink_id in sink_ids:
+        holds[f"sink:{sink_id}"] = sink_hold(upper)
+    return holds
+
+
+def is_readable(as_of: int, upper: Frontier) -> bool:
+    """A snapshot as of ``as_of`` can be answered now: ``as_of < upper`` (or the upper is closed)."""
+    return upper.is_empty() or as_of < (upper.time or 0)
+
+
 # -- frontier reporting ----------------------------------------------------------------------------
 
 
 def should_report(reported: Frontier | None, upper: Frontier) -> bool:
     """Report ``upper`` iff nothing was reported yet or it is strictly beyond the last report."""
     return reported is None or reported.less_than(upper)
+
+
+def upper_reports(
+    reported: Mapping[str, int | None], uppers: Mapping[str, Frontier], dropped: Iterable[str]
+) -> dict[str, int | None]:
+    """The upper reports due: ``collection_id -> upper`` (JSON: ``None`` is the empty frontier).
+
+    A live collection is reported when its upper advanced past the last report (or was never
+    reported); a dropped collection once, as the empty frontier, if it was ever reported.
+    """
+    changes: dict[str, int | None] = {}
+    for cid, upper in uppers.items():
+        prev = Frontier.from_json(reported[cid]) if cid in reported else None
+        if should_report(prev, upper):
+            changes[cid] = upper.to_json()
+    for cid in dropped:
+        if cid in reported and reported[cid] is not None:
+            changes[cid] = None
+    return changes
+
+
+def record_reports(reported: dict[str, int | None], changes: Mapping[str, int | None]) -> None:
+    """Record sent reports in ``reported``, never moving one backwards (a concurrent commit
+    may have recorded a later one)."""
+    for cid, up in changes.items():
+        prev = reported.get(cid, -1)
+        if cid not in reported or (prev is not None and (up is None or up > prev)):
+            reported[cid] = up
 
 
 # -- typed errors ------------------------------------------------------------------------------------
@@ -188,7 +248,7 @@ class ControllerSection:
 # -- subscribes ----------------------------------------------------------------------------------
 
 
-def subscribe_step(sub: dict[str, Any], upper: Frontier) -> tuple[int | None, Frontier, bool] | None:
+def subscribe_step(sub: Mapping[str, Any], upper: Frontier) -> tuple[int | None, Frontier, bool] | None:
     """The next output range of a running subscribe, or None when there is nothing new.
 
     Returns ``(lower, new_frontier, with_snapshot)``: changes at times in ``[lower,
@@ -209,7 +269,12 @@ def subscribe_step(sub: dict[str, Any], upper: Frontier) -> tuple[int | None, Fr
     return (int(progress), target, False)
 
 
-def subscribe_hold(sub: dict[str, Any]) -> Frontier:
+def subscribe_hold(sub: Mapping[str, Any]) -> Frontier:
     """Where a running subscribe holds since: at as_of until it starts, then its progress."""
     p = sub.get("progress")
     return Frontier.at(int(sub["as_of"])) if p is None else Frontier.at(int(p))
+
+
+def is_final_step(to: Frontier, up_to: int | None) -> bool:
+    """A step to ``to`` is a subscribe's last: the collection closed or ``up_to`` reached."""
+    return to.is_empty() or (up_to is not None and to == Frontier.at(int(up_to)))

@@ -23,8 +23,8 @@ from confluent_kafka import TopicPartition
 from services.controller.client import ControllerClient
 from services.controller.service import Controller, ControllerSettings
 from shared.catalog import Catalog
-from shared.cli import main
-from shared.cli_util import ProgressBar
+from shardsink.cli.main import main
+from shardsink.cli.util import ProgressBar
 from shared.codec import RowCodec
 from shared.controller_state import ControllerSection
 from shared.desired import DesiredProgress, DesiredUpdate, decode_desired

@@ -1,4 +1,4 @@
-"""The Python read API (shared.io.client) against the embedded stack, with a controller
+"""The public Python read API (``shardsink``, implemented in shared.io.client) against the embedded stack, with a controller
 running in this process as the writer: snapshots and subscribes equal to a reference model,
 the reader hold keeping since back while a subscribe runs, and the storage layer's errors."""
 
@@ -16,10 +16,17 @@ import pytest
 from services.controller.client import ControllerClient
 from services.controller.service import Controller, ControllerSettings
 from shared.embedded import EmbeddedStack
-from shared.errors import NotReadableYetError, ShardDroppedError, ShardNotFoundError, SinceViolationError
-from shared.io.client import Change, Progress, open_collection
 from shared.io.s3 import S3Settings
 from shared.shard import Shard
+from shardsink import (
+    Change,
+    NotReadableYetError,
+    Progress,
+    ShardDroppedError,
+    ShardNotFoundError,
+    SinceViolationError,
+    open_collection,
+)
 from tests.controller_fixture import Model, append_body, client_for, controller_settings, create_body, lag, ok
 
 

@@ -134,7 +134,7 @@ def test_kubernetes_manifests_match_the_services() -> None:
 def test_dockerfile_copies_what_the_services_import_and_sets_known_settings() -> None:
     lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines()]
     copied = {ln.split()[1] for ln in lines if ln.startswith("COPY ")}
-    for needed in ("shared", "services", "schemas", "pyproject.toml"):
+    for needed in ("shardsink", "shared", "services", "schemas", "pyproject.toml"):
         assert needed in copied, f"Dockerfile does not copy {needed}"
         assert (ROOT / needed).exists()
     env_line = " ".join(ln for ln in lines if ln.startswith("ENV") or ln.startswith("SHARDSINK") or ln.startswith("PYSPARK"))
@@ -154,7 +154,7 @@ def _scrape(port: int) -> str:
 
 
 def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: EmbeddedStack, tmp_path: Path, unique_id: str) -> None:
-    from services.cli_catalog import create_collection
+    from shardsink.cli.catalog import create_collection
     from shared.catalog import SinkDef
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic

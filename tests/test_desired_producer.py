@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from confluent_kafka import TopicPartition
 
-from shared.cli import main
+from shardsink.cli.main import main
 from shared.codec import RowCodec
 from shared.desired import (
     DesiredFrontierTracker,
@@ -251,7 +251,7 @@ def test_shardsink_produce_reads_json_lines(
 def test_shardsink_produce_rejects_bad_lines_with_their_line_number(
     line: str, message: str
 ) -> None:
-    from shared.cli_produce import parse_lines
+    from shardsink.cli.produce import parse_lines
 
     with pytest.raises(EncodeError, match=message):
         list(parse_lines([line]))

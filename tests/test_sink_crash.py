@@ -313,7 +313,7 @@ def data_keys(shard: Shard) -> set[str]:
 
 @pytest.fixture
 def crash_setup(stack: EmbeddedStack, unique_id: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    from services.cli_catalog import create_collection
+    from shardsink.cli.catalog import create_collection
     from services.common import ServiceSettings
     from shared.catalog import SinkDef
     from shared.io.kafka_admin import ensure_topic
@@ -531,7 +531,7 @@ def test_a_restarted_appender_deletes_the_parts_of_outdated_reports_it_replays(
     stay. Kafka's micro-batch puts ``batches`` before ``descs``; the appender must still
     know the description is its own."""
     from services.append.service import SinkAppender
-    from services.cli_catalog import create_collection
+    from shardsink.cli.catalog import create_collection
     from services.common import ServiceSettings
     from services.sinkio import KIND_CONTROL
     from shared.catalog import SinkDef

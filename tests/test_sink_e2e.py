@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from services.cli_catalog import create_collection
+from shardsink.cli.catalog import create_collection
 from services.common import ServiceSettings
 from services.runner import Services
 from shared.catalog import SinkDef

@@ -2,7 +2,7 @@
 
 ::
 
-    from shared.io.client import open_collection
+    from shardsink import open_collection
 
     orders = open_collection("orders")           # settings from SHARDSINK_S3_* / AWS_* env vars
     orders.upper, orders.since                    # ints (None: the empty frontier)

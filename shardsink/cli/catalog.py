@@ -30,7 +30,7 @@ import argparse
 import json
 from typing import Any
 
-from shared.cli import print_json
+from shardsink.cli.main import print_json
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -40,7 +40,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def register(sub: Any) -> None:
-    from services.cli_common import add_connection_args, add_via
+    from shardsink.cli.common import add_connection_args, add_via
 
     col = sub.add_parser(
         "collection", help="create, alter, drop or list collections",
@@ -154,13 +154,13 @@ def policy_to_avro(policy: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _via_controller(args: argparse.Namespace) -> bool:
-    from services.cli_common import via_controller
+    from shardsink.cli.common import via_controller
 
     return via_controller(args)
 
 
 def _call(args: argparse.Namespace, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-    from services.cli_common import ControllerSession, results
+    from shardsink.cli.common import ControllerSession, results
 
     with ControllerSession(args) as session:
         return results(session.call(kind, body))
@@ -178,7 +178,7 @@ def create_collection(settings: Any, collection_id: str, schema: dict[str, Any],
 
 
 def _collection_create(args: argparse.Namespace) -> int:
-    from services.cli_common import load_schema
+    from shardsink.cli.common import load_schema
 
     schema = load_schema(args.schema)
     policy = None if args.read_policy is None else parse_read_policy(args.read_policy)

@@ -44,7 +44,7 @@ from typing import IO, Any
 
 import pyarrow as pa
 
-from services.cli_common import (
+from shardsink.cli.common import (
     ControllerSession,
     ProgressBar,
     add_connection_args,
@@ -123,7 +123,7 @@ def chunk_updates(
 def _append(args: argparse.Namespace) -> int:
     import contextlib
 
-    from shared.cli_produce import parse_advance, read_input
+    from shardsink.cli.produce import parse_advance, read_input
 
     if args.chunk_rows < 1:
         raise InvalidUsageError(f"expected --chunk-rows >= 1, found {args.chunk_rows}")

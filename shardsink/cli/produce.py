@@ -205,7 +205,7 @@ def read_input(args: argparse.Namespace, stream: IO[str], schema_text: str) -> I
 def _produce(args: argparse.Namespace) -> int:
     import os
 
-    from shared.cli import print_json
+    from shardsink.cli.main import print_json
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka import KafkaSettings, env_options
     from shared.io.kafka_admin import ensure_topic
@@ -218,7 +218,7 @@ def _produce(args: argparse.Namespace) -> int:
         options[name] = value
     bootstrap = args.bootstrap or os.environ.get("SHARDSINK_KAFKA_BOOTSTRAP", "")
     settings = KafkaSettings.of(bootstrap, options)
-    from shared.cli_util import ProgressBar, load_schema
+    from shardsink.cli.util import ProgressBar, load_schema
 
     schema = json.dumps(load_schema(args.schema))
     advance, advance_to = parse_advance(args.advance_to)

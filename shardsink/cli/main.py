@@ -17,10 +17,10 @@ from shared.errors import ShardsinkError
 
 #: Modules with a ``register(subparsers) -> None`` function.
 _MODULES: tuple[str, ...] = (
-    "shared.cli_stack",
-    "shared.cli_produce",
-    "services.cli_catalog",
-    "services.cli_data",
+    "shardsink.cli.stack",
+    "shardsink.cli.produce",
+    "shardsink.cli.catalog",
+    "shardsink.cli.data",
 )
 
 

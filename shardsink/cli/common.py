@@ -14,7 +14,7 @@ import os
 from types import TracebackType
 from typing import Any
 
-from shared.cli_util import ProgressBar, load_schema
+from shardsink.cli.util import ProgressBar, load_schema
 from shared.errors import CommandError, KafkaTimeoutError
 
 __all__ = ["ControllerSession", "ProgressBar", "load_schema", "check", "results", "row_codec", "settings"]

@@ -1,0 +1,194 @@
+"""Collections and sinks: the commands that change definitions in the catalog, and Append.
+
+Contract:
+
+- inputs: ``CreateCollection``, ``AlterCollection``, ``SetReadPolicy``, ``DropCollection``,
+  ``CreateSink``, ``DropSink``, ``AllowWrites``, ``Append`` commands;
+- state: the catalog's collections and sinks (pure transitions in :mod:`shared.catalog`,
+  validated against the current catalog before anything is written);
+- outputs: an ``Ack`` or a typed ``Error`` per command (through the command log), the
+  collection's shard (created before its catalog entry; idempotent), appended batches;
+- invariants: identifiers are never reused for another definition; a drop is one catalog
+  commit (the id is dead at once) and its storage is reclaimed later by the tick
+  (maintenance.py); an Append carries a token derived from the command id, so a replayed
+  command is never applied twice; a sink created without ``as_of`` starts at the
+  collection's upper.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.controller.loop import CommandLoop, log
+from services.controller.model import digest
+from shared.avro_arrow import parse_row_schema
+from shared.catalog import (
+    CatalogState,
+    CollectionDef,
+    SinkDef,
+    allow_writes_transition,
+    alter_collection_transition,
+    create_collection_transition,
+    create_sink_transition,
+    drop_collection_transition,
+    drop_sink_transition,
+)
+from shared.controller_state import CommandRejected, ControllerSection
+from shared.errors import DecodeError
+from shared.frontier import Frontier
+from shared.objectstore import now_ms
+from shared.read_policy import ValidFrom, policy_from_avro
+from shared.shard import validate_shard_id
+
+
+class CollectionsRoom(CommandLoop):
+    """The controller's collections and sinks room (see the module docstring)."""
+
+    # -- collections ---------------------------------------------------------------------------
+    def handle_CreateCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        collection_id = validate_shard_id(b["collection_id"])
+        try:
+            schema = parse_row_schema(json.loads(b["row_schema"]))
+        except json.JSONDecodeError as e:
+            raise CommandRejected("SchemaError", f"expected the row schema as JSON text, found: {e}") from None
+        since = int(b.get("initial_since") or 0)
+        policy = ValidFrom(Frontier.at(since)) if b.get("read_policy") is None else policy_from_avro(b["read_policy"])
+        cdef = CollectionDef(collection_id, schema, since, policy.to_json())
+        create = create_collection_transition(cdef)
+        create(self.catalog.state())  # validate first: reuse of a dropped or other definition
+        # 1. the shard (idempotent: opens it if a crash left it without a catalog entry)
+        col = self._open_collection(cdef)
+        st = col.shard.refresh()
+        # 2. catalog entry, response, offset in one commit
+        self._answer(
+            cid,
+            self._ack(cid, collection_id=collection_id, since=st.since.to_json(), upper=st.upper.to_json()),
+            where=where,
+            offset=off,
+            change=lambda s, sec: create(s),
+        )
+
+    def handle_AlterCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        c = self.catalog.state().collection(b["collection_id"])
+        try:
+            schema = parse_row_schema(json.loads(b["row_schema"]))
+        except json.JSONDecodeError as e:
+            raise CommandRejected("SchemaError", f"expected the row schema as JSON text, found: {e}") from None
+        if schema != c.schema:
+            raise CommandRejected(
+                "SchemaError",
+                f"expected the collection's current row schema (schema evolution is not supported by "
+                f"the shard storage yet), found another for {c.collection_id!r}",
+                collection_id=c.collection_id,
+            )
+        self._answer(cid, self._ack(cid, collection_id=c.collection_id), where=where, offset=off)
+
+    def handle_SetReadPolicy(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        policy = policy_from_avro(b["policy"])
+        alter = alter_collection_transition(b["collection_id"], policy.to_json())
+        alter(self.catalog.state())
+        self._answer(
+            cid, self._ack(cid, collection_id=b["collection_id"], policy=policy.to_json()),
+            where=where, offset=off, change=lambda s, sec: alter(s),
+        )
+
+    def handle_DropCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        collection_id = b["collection_id"]
+        self.catalog.state().collection(collection_id)  # a dropped or unknown id is an error
+        drop = drop_collection_transition(collection_id)
+        due = now_ms() + self.settings.reclaim_grace_ms
+
+        def t(s: CatalogState, sec: ControllerSection) -> CatalogState:
+            sec.reclaim[collection_id] = due
+            return drop(s)
+
+        self._answer(cid, self._ack(cid, collection_id=collection_id), where=where, offset=off, change=t)
+        # Readers are told at once (peeks answered, subscribes closed, upper {} reported) and
+        # the storage is reclaimed, by the tick.
+
+    # -- sinks -----------------------------------------------------------------------------------
+    def handle_CreateSink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        state = self.catalog.state()
+        c = state.collection(b["collection_id"])
+        as_of = b.get("as_of")
+        if as_of is None:
+            existing = state.sinks.get(b["sink_id"])
+            if existing is not None and not existing.dropped:
+                as_of = existing.as_of
+            else:
+                upper = self.collections[c.collection_id].shard.refresh().upper
+                as_of = upper.time if upper.time is not None else 0
+        sink = SinkDef(b["sink_id"], b["desired_topic"], c.collection_id, as_of=int(as_of), read_only=bool(b.get("read_only")))
+        create = create_sink_transition(sink)
+        create(state)
+        self._answer(
+            cid, self._ack(cid, sink_id=sink.sink_id, as_of=sink.as_of),
+            where=where, offset=off, change=lambda s, sec: create(s),
+        )
+
+    def handle_DropSink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        self.catalog.state().sink(b["sink_id"])
+        drop = drop_sink_transition(b["sink_id"])
+        self._answer(cid, self._ack(cid, sink_id=b["sink_id"]), where=where, offset=off, change=lambda s, sec: drop(s))
+
+    def handle_AllowWrites(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        state = self.catalog.state()
+        ids = b.get("sink_ids")
+        if ids is None:
+            ids = [s.sink_id for s in state.live_sinks()]
+        for sid in ids:
+            state.sink(sid)
+        ts = [allow_writes_transition(sid) for sid in ids]
+
+        def t(s: CatalogState, sec: ControllerSection) -> CatalogState:
+            for f in ts:
+                s = f(s)
+            return s
+
+        self._answer(cid, self._ack(cid, sink_ids=list(ids)), where=where, offset=off, change=t)
+        from services.runner import nudge
+
+        for sid in ids:
+            try:
+                nudge(self.settings.service, state.sinks[sid])
+            except Exception as e:  # noqa: BLE001 - a nudge only speeds things up
+                log.warning("nudge failed: %r", e, extra={"sink_id": sid})
+
+    # -- append ----------------------------------------------------------------------------------
+    def handle_Append(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        collection_id = b["collection_id"]
+        self.catalog.state().collection(collection_id)
+        col = self.collections[collection_id]
+        token = f"cmd-{digest(cid)}"
+        state = col.shard.refresh()
+        if state.find_token(token) is None:
+            expected = state.upper if b.get("expected_upper") is None else Frontier.at(int(b["expected_upper"]))
+            new = Frontier.from_json(b.get("new_upper"))
+            rows = []
+            for u in b["updates"]:
+                t, d = int(u["time"]), int(u["diff"])
+                if new.time is not None and t >= new.time:
+                    raise CommandRejected(
+                        "UpdateBeyondUpper",
+                        f"expected every update's time < new upper {new!r}, found {t}",
+                        collection_id=collection_id, time=t, new_upper=new.to_json(),
+                    )
+                if not expected.is_empty() and t < (expected.time or 0):
+                    raise CommandRejected(
+                        "InvalidUsage",
+                        f"expected every update's time >= expected upper {expected!r}, found {t}",
+                        collection_id=collection_id, time=t, expected_upper=expected.to_json(),
+                    )
+                try:
+                    row = col.row_codec.decode(u["row"])
+                except DecodeError as e:
+                    raise CommandRejected("DecodeError", f"expected rows of the collection's schema, found: {e}") from None
+                rows.append((row, t, d))
+            if not expected.less_equal(new):
+                raise CommandRejected(
+                    "InvalidUsage", f"expected new upper >= expected upper {expected!r}, found {new!r}",
+                    collection_id=collection_id,
+                )
+            state = col.shard.compare_and_append(rows or None, expected, new, token=token)
+        self._answer(cid, self._ack(cid, collection_id=collection_id, upper=state.upper.to_json()), where=where, offset=off)

@@ -1,0 +1,90 @@
+"""The controller's settings and the in-memory records its rooms share.
+
+- :class:`ControllerSettings`: parsed once at the edge (``__main__``), validated here.
+- :class:`PendingPeek`: a peek waiting for its time to become readable (its command is
+  logged as ``pending`` in the catalog, so it survives a restart).
+- :class:`OpenCollection`: the controller's view of a live collection (its shard handle, read
+  capabilities and row codec), rebuilt from the catalog on every start.
+
+Nothing here does I/O; the durable state is :class:`shared.controller_state.ControllerSection`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.common import ServiceSettings
+from shared.codec import RowCodec
+from shared.controller_state import Capabilities
+from shared.shard import Shard
+
+#: The controller's critical reader hold on every collection's shard.
+READER_ID = "controller"
+
+@dataclass(frozen=True, slots=True)
+class ControllerSettings:
+    """Controller settings (env / flags parsed once in ``__main__``)."""
+
+    service: ServiceSettings
+    commands_topic: str = "commands"
+    responses_topic: str = "responses"
+    tick_ms: int = 50
+    #: How long a peek at a time not yet readable waits before NotReadableYet.
+    peek_timeout_ms: int = 30_000
+    #: Peek results up to this many encoded bytes are answered inline.
+    max_inline_bytes: int = 64 * 1024
+    #: Bound of the command log (idempotent replay of command ids).
+    log_max_entries: int = 1000
+    #: Routine gc of live shards and of old catalog states.
+    gc_interval_ms: int = 30_000
+    #: A dropped collection's objects are deleted after this long (0: at once).
+    reclaim_grace_ms: int = 0
+    #: Commit the command offset when idle for this long.
+    idle_commit_ms: int = 500
+
+    def __post_init__(self) -> None:
+        if self.tick_ms <= 0 or self.peek_timeout_ms < 0 or self.max_inline_bytes < 0 or self.log_max_entries < 1:
+            raise ValueError(
+                "expected tick_ms > 0, peek_timeout_ms >= 0, max_inline_bytes >= 0, log_max_entries >= 1, found "
+                f"{self.tick_ms}, {self.peek_timeout_ms}, {self.max_inline_bytes}, {self.log_max_entries}"
+            )
+
+
+@dataclass
+class PendingPeek:
+    command_id: str
+    collection_id: str
+    as_of: int
+    limit: int | None
+    max_inline: int
+    deadline: float
+
+
+@dataclass
+class OpenCollection:
+    """In-memory view of a live collection (rebuilt on start)."""
+
+    shard: Shard
+    caps: Capabilities
+    row_codec: RowCodec
+    batches_seen: int = -1
+
+
+def b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def unb64(s: str) -> bytes:
+    return base64.b64decode(s.encode())
+
+
+def jdump(v: Any) -> str:
+    return json.dumps(v)
+
+
+def digest(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()[:32]

@@ -1,0 +1,157 @@
+"""Peeks: a snapshot of a collection as of a time, answered on ``responses``.
+
+Contract:
+
+- inputs: ``Peek`` and ``CancelPeek`` commands; the shards' heads on every tick;
+- state: waiting peeks (in memory, and logged as ``pending`` in the command log so that a
+  restart resumes them); a waiting peek holds its collection's since at its as-of
+  (capabilities.py);
+- outputs: ``PeekResult`` with the rows inline (small results) or as a Parquet object on
+  S3 that the answer names; ``PeekCanceled``; typed errors (``ReadBeforeSince`` at once,
+  ``NotReadableYet`` after the peek timeout, ``IdentifierMissing`` when the collection is
+  dropped while the peek waits);
+- invariants: a peek is answered exactly once (its pending log entry is replaced by the
+  answer in one commit); the time is readable iff ``since <= as_of < upper``
+  (:func:`shared.controller_state.is_readable`).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from services.controller.loop import CommandLoop
+from services.controller.model import PendingPeek, b64, digest
+from shared.avro_arrow import arrow_to_rows
+from shared.catalog import CatalogState, CollectionDef
+from shared.codec import tagged
+from shared.controller_state import CommandRejected, ControllerSection, is_readable
+from shared.errors import NotReadableYetError, ShardDroppedError, SinceViolationError
+from shared.frontier import Frontier
+from shared.shard import DIFF, ERROR
+from shared.state import ShardState
+
+
+class PeeksRoom(CommandLoop):
+    """The controller's peeks room (see the module docstring)."""
+
+    # -- peeks ------------------------------------------------------------------------------------
+    def handle_Peek(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        peek, ready = self._prepare_peek(cid, b)
+        if ready:
+            self._answer(cid, self._peek_response(peek), where=where, offset=off)
+            return
+        # Not readable yet: wait (logged as pending, so that it survives a restart).
+        max_entries = self.settings.log_max_entries
+
+        def t(s: CatalogState, sec: ControllerSection) -> None:
+            sec.record(cid, {"o": where, "pending": b64(raw)}, max_entries)
+            sec.offsets[str(off[0])] = off[1] + 1
+
+        self._commit(t)
+        self.peeks[cid] = peek
+
+    def _prepare_peek(self, cid: str, b: dict[str, Any]) -> tuple[PendingPeek, bool]:
+        """Validate a peek; returns it and whether it is readable now."""
+        collection_id = b["collection_id"]
+        self.catalog.state().collection(collection_id)
+        col = self.collections[collection_id]
+        state = col.shard.refresh()
+        as_of = b.get("as_of")
+        if as_of is None:
+            as_of = max((state.upper.time or 1) - 1, 0) if not state.upper.is_empty() else 0
+        as_of = int(as_of)
+        if not state.since.less_equal(Frontier.at(as_of)):
+            raise SinceViolationError(
+                f"expected as_of >= since {state.since!r}, found {as_of}",
+                collection_id=collection_id, as_of=as_of, since=state.since,
+            )
+        limit = b.get("limit")
+        if limit is not None and int(limit) < 0:
+            raise CommandRejected("InvalidUsage", f"expected a limit >= 0, found {limit}")
+        max_inline = b.get("max_inline_bytes")
+        peek = PendingPeek(
+            cid, collection_id, as_of, None if limit is None else int(limit),
+            self.settings.max_inline_bytes if max_inline is None else int(max_inline),
+            time.monotonic() + self.settings.peek_timeout_ms / 1000.0,
+        )
+        return peek, is_readable(as_of, state.upper)
+
+    def _peek_response(self, peek: PendingPeek) -> bytes:
+        col = self.collections[peek.collection_id]
+        table = col.shard.snapshot(peek.as_of)
+        if peek.limit is not None:
+            table = table.slice(0, peek.limit)
+        row_cols = col.shard.row_columns
+        has_errors = table.num_rows > 0 and table[ERROR].null_count != table.num_rows
+        result: tuple[str, dict[str, Any]] | None = None
+        if not has_errors and table.nbytes <= 4 * peek.max_inline + 1024:
+            rows = arrow_to_rows(table.select(row_cols))
+            encoded = [col.row_codec.encode(r) for r in rows]
+            size = sum(len(e) + 10 for e in encoded)
+            if size <= peek.max_inline:
+                diffs = table[DIFF].to_pylist()
+                result = tagged(
+                    "InlineRows", {"rows": [{"row": e, "count": int(d)} for e, d in zip(encoded, diffs, strict=True)]}
+                )
+        if result is None:
+            out = table.select([*row_cols, *([ERROR] if has_errors else []), DIFF])
+            buf = io.BytesIO()
+            pq.write_table(out, buf, compression="snappy")
+            key = f"peeks/{peek.collection_id}/{digest(peek.command_id)}.parquet"
+            self.store.put(key, buf.getvalue())
+            prefix = self.settings.service.s3.prefix
+            full = (prefix.rstrip("/") + "/" if prefix else "") + key
+            result = tagged(
+                "StoredRows",
+                {"bucket": self.settings.service.s3.bucket, "key": full, "format": "parquet", "row_count": out.num_rows},
+            )
+        return self._encode_response(
+            peek.command_id, "PeekResult", {"collection_id": peek.collection_id, "as_of": peek.as_of, "result": result}
+        )
+
+    def _retire_peek(self, peek: PendingPeek, response: bytes | Callable[[str], bytes] | None = None) -> None:
+        """Answer a logged (pending) peek: replace its log entry by the response."""
+        resp = response if response is not None else self._peek_response(peek)
+        self.peeks.pop(peek.command_id, None)
+        self._answer(peek.command_id, resp, where="peek")
+
+    def handle_CancelPeek(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        target = b["peek_command_id"]
+        peek = self.peeks.pop(target, None)
+        if peek is None:
+            self._answer(cid, self._ack(cid, peek_command_id=target, canceled=False), where=where, offset=off)
+            return
+        canceled = self._encode_response(target, "PeekCanceled", {"peek_command_id": target})
+        entry = self._log_entry(target, canceled, "peek")
+        max_entries = self.settings.log_max_entries
+
+        def t(s: CatalogState, sec: ControllerSection) -> None:
+            sec.record(target, entry, max_entries)
+
+        self._commit(t)
+        self._send(canceled, target)
+        self._answer(cid, self._ack(cid, peek_command_id=target, canceled=True), where=where, offset=off)
+
+    # -- peeks -------------------------------------------------------------------------------------
+    def _retire_peeks(self, live: dict[str, CollectionDef], heads: dict[str, ShardState]) -> None:
+        for peek in list(self.peeks.values()):
+            st = heads.get(peek.collection_id)
+            if st is None:
+                err = ShardDroppedError(f"expected a live collection {peek.collection_id!r}, found it dropped",
+                                        collection_id=peek.collection_id)
+                self._retire_peek(peek, self._error(err))
+            elif is_readable(peek.as_of, st.upper):
+                self._retire_peek(peek)
+            elif time.monotonic() >= peek.deadline:
+                err2 = NotReadableYetError(
+                    f"expected as_of < upper {st.upper!r} within the peek timeout of "
+                    f"{self.settings.peek_timeout_ms} ms, found {peek.as_of}",
+                    collection_id=peek.collection_id, as_of=peek.as_of, upper=st.upper,
+                    timeout_ms=self.settings.peek_timeout_ms,
+                )
+                self._retire_peek(peek, self._error(err2))

@@ -1,0 +1,300 @@
+"""Subscribes: a snapshot as of a time, then every change, with progress statements, to a
+Kafka topic the subscriber names (``as_of`` inclusive, ``up_to`` exclusive).
+
+Contract:
+
+- inputs: ``Subscribe`` and ``CancelSubscribe`` commands; the shards' heads on every tick;
+- state: ``subs[subscribe_id]`` in the catalog's controller section: definition,
+  ``progress`` (the frontier output so far), ``state`` (active, closing, done) and
+  ``emitting`` (the intent of a step that may be partly on the topic); a running subscribe
+  holds its collection's since at its progress (capabilities.py);
+- outputs: per step, the changes in ``[lower, frontier)`` sorted (deterministic), then a
+  progress statement at the frontier; a final empty progress statement when the subscribe
+  ends (``up_to`` reached, cancelled, collection dropped);
+- invariants: no gap and no duplicate on the output topic across failures and restarts.
+
+Subscribe output (per step):
+
+1. commit the intent ``emitting = {to, offset}`` (``offset``: the output partition's end);
+2. produce the step's messages (sorted: deterministic) in chunks, each flushed;
+3. commit ``progress = to``.
+
+On recovery a subscribe with an intent counts its messages already on the topic after
+``offset`` and produces only the rest of the (re-computed, identical) step: no gap, no
+duplicate. Its hold keeps since at or below its progress, so the step re-computes the same.
+The pure decisions (the next step, the hold, finality) are in
+:mod:`shared.controller_state`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from services.controller.loop import CommandLoop, log
+from services.controller.model import OpenCollection
+from shared.avro_arrow import arrow_to_rows
+from shared.catalog import CatalogState, CollectionDef, FencedError
+from shared.controller_state import (
+    CommandRejected,
+    ControllerSection,
+    is_final_step,
+    subscribe_step,
+)
+from shared.errors import DecodeError, KafkaAdapterError, KafkaTimeoutError, SinceViolationError
+from shared.frontier import Frontier
+from shared.shard import DIFF, ERROR, TIME
+from shared.state import ShardState
+
+#: Subscribe output is produced in chunks of this many messages (see _produce_step), and a
+#: step gives up for this tick after this many failed chunks.
+_SUB_CHUNK = 1000
+_SUB_FAILURES = 100
+
+
+class SubscribesRoom(CommandLoop):
+    """The controller's subscribes room (see the module docstring)."""
+
+    # -- subscribes -------------------------------------------------------------------------------
+    def handle_Subscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        from shared.io.kafka_admin import ensure_topic
+
+        collection_id = b["collection_id"]
+        self.catalog.state().collection(collection_id)
+        col = self.collections[collection_id]
+        state = col.shard.refresh()
+        topic = str(b["output_topic"])
+        if not topic or len(topic) > 249:
+            raise CommandRejected("InvalidUsage", f"expected an output topic name, found {topic!r}")
+        as_of = b.get("as_of")
+        as_of = (state.since.time or 0) if as_of is None else int(as_of)
+        if not state.since.less_equal(Frontier.at(as_of)):
+            raise SinceViolationError(
+                f"expected as_of >= since {state.since!r}, found {as_of}",
+                collection_id=collection_id, as_of=as_of, since=state.since,
+            )
+        up_to = b.get("up_to")
+        ensure_topic(self.settings.service.kafka, topic, 1)
+        sub = {
+            "collection_id": collection_id,
+            "topic": topic,
+            "as_of": as_of,
+            "up_to": None if up_to is None else int(up_to),
+            "with_snapshot": bool(b.get("with_snapshot", True)),
+            "progress": None,
+            "state": "active" if up_to is None or int(up_to) > as_of else "closing",
+            "emitting": None,
+        }
+
+        def t(s: CatalogState, sec: ControllerSection) -> None:
+            sec.subs[cid] = sub
+
+        self._answer(
+            cid, self._ack(cid, subscribe_id=cid, output_topic=topic, as_of=as_of),
+            where=where, offset=off, change=t,
+        )
+
+    def handle_CancelSubscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        target = b["subscribe_command_id"]
+        sub = self.section.subs.get(target)
+        if sub is None:
+            raise CommandRejected("IdentifierMissing", f"expected a subscribe {target!r}, found none", subscribe_id=target)
+        active = sub.get("state") == "active"
+
+        def t(s: CatalogState, sec: ControllerSection) -> None:
+            if sec.subs.get(target, {}).get("state") == "active":
+                sec.subs[target]["state"] = "closing"
+
+        self._answer(cid, self._ack(cid, subscribe_id=target, canceled=active), where=where, offset=off, change=t)
+
+    # -- subscribes ------------------------------------------------------------------------------
+    def _advance_subscribes(self, live: dict[str, CollectionDef], heads: dict[str, ShardState]) -> None:
+        for sid in list(self.section.subs):
+            sub = self.section.subs[sid]
+            if sub.get("state") == "done":
+                continue
+            try:
+                self._advance_subscribe(sid, sub, heads)
+            except FencedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one failing subscribe must not stop the others
+                log.error("subscribe %s failed: %r", sid, e, exc_info=True)
+
+    def _advance_subscribe(self, sid: str, sub: dict[str, Any], heads: dict[str, ShardState]) -> None:
+        cid = sub["collection_id"]
+        emitting = sub.get("emitting")
+        if emitting is not None:
+            # Recovery: a step was intended and may be partly on the topic.
+            to = Frontier.from_json(emitting["to"])
+            msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
+            start = int(emitting["offset"])
+            self._produce_step(sid, sub["topic"], msgs, self._count_on_topic(sub["topic"], sid, start))
+            self._finish_step(sid, to, bool(emitting.get("final")))
+            return
+        st = heads.get(cid)
+        if st is None or sub.get("state") == "closing":
+            # Dropped collection or cancelled: the final progress statement only.
+            to = Frontier.empty()
+            self._emit_step(sid, sub, to, True, "final")
+            return
+        step = subscribe_step(sub, st.upper)
+        if step is None:
+            return
+        _, to, _ = step
+        up_to = sub.get("up_to")
+        final = is_final_step(to, None if up_to is None else int(up_to))
+        self._emit_step(sid, sub, to, final, "step")
+
+    def _emit_step(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool, lower_kind: str) -> None:
+        from shared.io.kafka import OffsetProbe
+
+        msgs = self._step_messages(sid, sub, to, final, lower_kind)
+        if self._probe is None:
+            self._probe = OffsetProbe(self.settings.service.kafka)
+        offset = self._probe.ends([(sub["topic"], 0)])[(sub["topic"], 0)]
+        intent = {"to": to.to_json(), "final": final, "offset": offset, "lower_kind": lower_kind}
+
+        def t(s: CatalogState, sec: ControllerSection) -> None:
+            sec.subs[sid]["emitting"] = intent
+
+        self._commit(t)
+        self._produce_step(sid, sub["topic"], msgs, (0, offset))
+        self._finish_step(sid, to, final)
+
+    def _finish_step(self, sid: str, to: Frontier, final: bool) -> None:
+        def t(s: CatalogState, sec: ControllerSection) -> None:
+            sub = sec.subs[sid]
+            sub["emitting"] = None
+            if not to.is_empty():
+                sub["progress"] = to.time
+            if final:
+                sub["state"] = "done"
+
+        self._commit(t)
+
+    def _produce_step(self, sid: str, topic: str, msgs: list[bytes], known: tuple[int, int]) -> None:
+        """Make ``msgs`` the messages of subscribe ``sid`` on ``topic`` after the step's start.
+
+        ``known = (n, pos)``: the first ``n`` of ``msgs`` are on the topic, all before offset
+        ``pos``. The rest go out in chunks, each flushed. A chunk that fails may have partly
+        landed (a delivery error fails the messages after it too, never leaving a gap; a
+        message may land and still report an error): the messages of ``sid`` from ``pos`` on
+        are counted and production goes on after them. So a failure costs a re-count of
+        one chunk, not of the whole step, and a large step still completes when deliveries
+        fail now and then. After ``_SUB_FAILURES`` failed chunks the error is raised; the
+        next tick resumes from the recorded intent.
+        """
+        n, pos = known
+        failures = 0
+        while n < len(msgs):
+            chunk = msgs[n : n + _SUB_CHUNK]
+            delivered = [-1]
+
+            def on_delivery(err: Any, msg: Any, delivered: list[int] = delivered) -> None:
+                if err is None and msg is not None and msg.offset() is not None:
+                    delivered[0] = max(delivered[0], int(msg.offset()))
+                assert self.producer is not None
+                self.producer._on_delivery(err, msg)
+
+            for m in chunk:
+                self._produce_sub(topic, m, sid, on_delivery)
+            try:
+                self._flush()
+            except KafkaAdapterError:
+                failures += 1
+                if failures >= _SUB_FAILURES:
+                    raise
+                landed, pos = self._count_on_topic(topic, sid, pos)
+                n += landed
+                continue
+            n += len(chunk)
+            pos = max(pos, delivered[0] + 1)
+
+    def _produce_sub(self, topic: str, value: bytes, sid: str, on_delivery: Callable[[Any, Any], None]) -> None:
+        assert self.producer is not None
+        while True:
+            try:
+                self.producer.producer.produce(topic, value=value, key=sid.encode(), partition=0, on_delivery=on_delivery)
+                return
+            except BufferError:
+                self.producer.producer.poll(0.05)
+
+    def _step_messages(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool, lower_kind: str | None) -> list[bytes]:
+        """The (deterministic) messages of one step: sorted changes, progress, final."""
+        enc = self.sub_codec.encode
+        out: list[bytes] = []
+        cid = sub["collection_id"]
+        if lower_kind != "final" and cid in self.collections:
+            col = self.collections[cid]
+            state = col.shard.refresh()
+            progress = sub.get("progress")
+            as_of = int(sub["as_of"])
+            changes: list[tuple[int, bytes, int]] = []
+            if progress is None:
+                lower = as_of + 1
+                if sub.get("with_snapshot", True):
+                    snap = col.shard.snapshot(as_of)
+                    changes += self._changes(col, snap, as_of)
+            else:
+                lower = int(progress)
+            if to.is_empty() or lower < (to.time or 0):
+                table = col.shard.updates_between(state, lower, to)
+                changes += self._changes(col, table, None)
+            changes.sort(key=lambda c: (c[0], c[1], c[2]))
+            for t, row, d in changes:
+                out.append(enc({"subscribe_id": sid, "time": t, "progressed": False, "diff": d, "row": row}))
+            if not to.is_empty():
+                out.append(enc({"subscribe_id": sid, "time": to.time, "progressed": True, "diff": None, "row": None}))
+        if final:
+            out.append(enc({"subscribe_id": sid, "time": None, "progressed": True, "diff": None, "row": None}))
+        return [bytes(m) for m in out]
+
+    @staticmethod
+    def _changes(col: OpenCollection, table: pa.Table, at: int | None) -> list[tuple[int, bytes, int]]:
+        if table.num_rows == 0:
+            return []
+        ok = table.filter(pc.is_null(table[ERROR]))  # error rows have no row to send
+        rows = arrow_to_rows(ok.select(col.shard.row_columns))
+        diffs = ok[DIFF].to_pylist()
+        times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
+        return [(int(t), col.row_codec.encode(r), int(d)) for t, r, d in zip(times, rows, diffs, strict=True)]
+
+    def _count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
+        """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset
+        ``start``, and the offset up to which they were counted."""
+        from confluent_kafka import TopicPartition
+
+        from shared.io.kafka import OffsetProbe, new_consumer
+
+        with OffsetProbe(self.settings.service.kafka) as probe:
+            end = probe.ends([(topic, 0)])[(topic, 0)]
+        if end <= start:
+            return 0, start
+        c = new_consumer(self.settings.service.kafka, **{"auto.offset.reset": "earliest"})
+        n = 0
+        try:
+            c.assign([TopicPartition(topic, 0, start)])
+            pos = start
+            deadline = time.monotonic() + 60
+            while pos < end and time.monotonic() < deadline:
+                for m in c.consume(num_messages=1000, timeout=0.2):
+                    if m.error() is not None:
+                        continue
+                    pos = max(pos, int(m.offset() or 0) + 1)
+                    try:
+                        if self.sub_codec.decode(m.value() or b"")["subscribe_id"] == sid:
+                            n += 1
+                    except DecodeError:
+                        continue
+        finally:
+            c.close()
+        if pos < end:
+            # A partial count would make the caller produce messages already there again.
+            raise KafkaTimeoutError(
+                f"expected to read {topic}/0 from {start} to {end} within 60 s, reached {pos}", topic=topic
+            )
+        return n, pos
