@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from services.cli_catalog import create_collection
+from shardsink.cli.catalog import create_collection
 from services.common import ServiceSettings
 from services.runner import Services
 from shared.catalog import SinkDef, sink_health
@@ -212,7 +212,7 @@ def test_lost_history_never_retracts_and_the_adopted_baseline_corrects_again(
         assert health["epoch"] == epoch and sorted(health["partitions"]) == list(range(PARTITIONS))
         assert "HistoryUnproven" in health["message"] or "history" in health["message"], health
         status = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "status", "--output", "json"],
+            [sys.executable, "-m", "shardsink", "status", "--output", "json"],
             cwd=REPO, env={**env["env"]}, capture_output=True, text=True, timeout=120,
         )
         assert status.returncode == 0, status.stderr
@@ -225,7 +225,7 @@ def test_lost_history_never_retracts_and_the_adopted_baseline_corrects_again(
 
         # -- case c: the operator adopts the shard's contents as the baseline -------------------
         adopt = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "sink", "adopt", sid],
+            [sys.executable, "-m", "shardsink", "sink", "adopt", sid],
             cwd=REPO, env={**env["env"]}, capture_output=True, text=True, timeout=120,
         )
         assert adopt.returncode == 0, adopt.stderr
@@ -238,7 +238,7 @@ def test_lost_history_never_retracts_and_the_adopted_baseline_corrects_again(
         assert all(r not in contents(shard, upper()) for r in early_rows[:30])
         assert writer.writers[sid].metrics.history_unproven_partitions == 0
         status = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "status", "--output", "json"],
+            [sys.executable, "-m", "shardsink", "status", "--output", "json"],
             cwd=REPO, env={**env["env"]}, capture_output=True, text=True, timeout=120,
         )
         mine = [json.loads(line) for line in status.stdout.splitlines() if f'"{cid}"' in line]
