@@ -259,3 +259,130 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- a Spark standalone cluster from the pyspark wheel (tests, benchmarks) ----------------------
+
+
+@dataclass
+class SparkStandalone:
+    """A Spark standalone master and ``workers`` workers on 127.0.0.1, started from the pyspark
+    wheel's ``bin/spark-class`` (``cores`` and ``memory`` each). Python applications attach in
+    client mode with ``master_url``; executors run the driver's interpreter (PYSPARK_PYTHON).
+    """
+
+    workers: int = 2
+    cores: int = 1
+    memory: str = "2g"
+    log_dir: Path | None = None
+    port: int = 0
+    webui_port: int = 0
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    _tmp: str | None = field(default=None, repr=False)
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def spark_class() -> str:
+        import pyspark
+
+        return str(Path(pyspark.__file__).resolve().parent / "bin" / "spark-class")
+
+    def _spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as out:
+            p = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,  # its own process group: executors die with it
+            )
+        self._procs.append(p)
+        return p
+
+    def status(self) -> dict[str, object]:
+        """The master's JSON status (workers, applications)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.webui_port}/json/", timeout=5) as r:
+            return dict(json.loads(r.read()))
+
+    def alive_workers(self) -> int:
+        try:
+            return int(self.status().get("aliveworkers", 0))  # type: ignore[call-overload]
+        except OSError:
+            return 0
+
+    def start(self, timeout_s: float = 120.0) -> SparkStandalone:
+        if self._procs:
+            return self
+        self._tmp = tempfile.mkdtemp(prefix="shardsink-spark-")
+        logs = self.log_dir or Path(self._tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.webui_port = self.webui_port or free_port()
+        atexit.register(self.stop)
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_NO_DAEMONIZE": "1",
+               "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable)}
+        try:
+            master = self._spawn(
+                [self.spark_class(), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--webui-port", str(self.webui_port)],
+                logs / "master.log", env,
+            )
+            _wait_tcp(self.port, master, "the Spark master", timeout_s)
+            for i in range(self.workers):
+                work = Path(self._tmp) / f"worker-{i}"
+                work.mkdir()
+                self._spawn(
+                    [self.spark_class(), "org.apache.spark.deploy.worker.Worker", self.master_url,
+                     "--host", "127.0.0.1", "--cores", str(self.cores), "--memory", self.memory,
+                     "--webui-port", str(free_port()), "--work-dir", str(work)],
+                    logs / f"worker-{i}.log", env,
+                )
+            deadline = time.monotonic() + timeout_s
+            while self.alive_workers() < self.workers:
+                if time.monotonic() > deadline:
+                    raise EmbeddedStackError(
+                        f"expected {self.workers} Spark workers registered within {timeout_s}s, "
+                        f"found {self.alive_workers()} (logs in {logs})"
+                    )
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def executor_pids(self) -> list[int]:
+        """Process ids of the executors the workers launched (CoarseGrainedExecutorBackend)."""
+        out = subprocess.run(["pgrep", "-f", "CoarseGrainedExecutorBackend"], capture_output=True, text=True)
+        work = self._tmp or "\0"
+        pids = []
+        for pid in out.stdout.split():
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")  # the worker's work dir for the app
+            except OSError:
+                continue
+            if cwd.startswith(work):
+                pids.append(int(pid))
+        return pids
+
+    def stop(self) -> None:
+        procs, self._procs = self._procs, []
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> SparkStandalone:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
