@@ -24,11 +24,20 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   at ~1k updates/s, a rate far below the sink's throughput: the latency floor of the hops.
 - ``correction_peak_ratio``: peak bytes of the correction buffer during hydration over the
   collection's Arrow size (``bench/bench_correction.py``'s ``measure_hydration_ratio``).
-- ``recovery_s``: with the services run as three processes (the compose/Kubernetes mode), the
-  write service is SIGKILLed (its whole process group) and restarted at once; the time from
-  the kill until the shard's upper catches up with the first progress step made after it.
-  A restarted writer replays the desired topic from the earliest offset and hydrates from
-  the shard, so the figure grows with ``recovery_topic_updates`` and ``recovery_shard_rows``.
+- ``driver_cpu_share``: during the throughput run, CPU seconds of the services' driver Python
+  process (where ``foreachBatch`` runs: reports, descriptions, appends) over the CPU seconds of
+  the whole services process tree (the JVM, the Python workers that decode, absorb, read back
+  and stage, the Python source runners, the driver), from ``/proc`` CPU times. In local mode
+  the JVM is driver and executor at once and counts as sink CPU; ``jvm_cpu_share`` and
+  ``workers_cpu_share`` are reported next to it.
+- ``recovery_s``: with the services run as three processes (the compose/Kubernetes mode), on
+  a fresh sink whose live collection stays at ``recovery_live_rows`` rows (each step inserts
+  as many rows as it retracts), the write service is SIGKILLed (its whole process group) and
+  restarted at once after a history of N updates, then again after 10N; the time from the
+  kill until the shard's upper catches up with the first progress step made after it.
+  ``recovery_s`` is the one after 10N, ``recovery_n_s`` the one after N, and
+  ``recovery_history_ratio`` their ratio: the restarted writer resumes from its checkpoint,
+  so recovery depends on the state's size, not on the history's.
 
 ``--quick`` shrinks every size (a smoke run). Figures on a shared 2-core machine are noisy:
 the load average of each phase is reported (``load``).
@@ -184,6 +193,45 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, procs: list[
             raise RuntimeError(f"expected {what} within {timeout_s}s, found it still pending")
         time.sleep(poll_s)
     return time.monotonic() - t0
+
+
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system, with reaped children) of ``root`` and every live descendant,
+    by pid, with a kind: ``driver`` (root), ``jvm``, ``worker`` (Python under the JVM)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: dict[int, tuple[int, str, float]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            f = stat[stat.rindex(")") + 2 :].split()
+            ppid = int(f[1])
+            cpu = (int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])) / tick
+        except (OSError, ValueError, IndexError):
+            continue
+        procs[int(d)] = (ppid, comm, cpu)
+    out: dict[int, tuple[str, float]] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in procs:
+            continue
+        ppid, comm, cpu = procs[pid]
+        kind = "driver" if pid == root else ("jvm" if comm == "java" else "worker")
+        out[pid] = (kind, cpu)
+        todo.extend(c for c, (pp, _, _) in procs.items() if pp == pid)
+    return out
+
+
+def cpu_shares(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """Each kind's share of the CPU seconds spent between two :func:`tree_cpu` snapshots."""
+    spent: dict[str, float] = {}
+    for pid, (kind, cpu) in after.items():
+        spent[kind] = spent.get(kind, 0.0) + cpu - before.get(pid, (kind, 0.0))[1]
+    total = sum(spent.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in spent.items()} | {"cpu_s": round(total, 1)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -438,8 +486,15 @@ def main() -> int:
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )
                 time.sleep(2.0)
+            assert svc.p is not None
+            cpu0 = tree_cpu(svc.p.pid)
             t0, prod_s, final = produce_timed(wl, batches)
             wait_for(lambda: watch.upper >= final, 900, "the sink to commit every update", [svc], poll_s=0.01)
+            shares = cpu_shares(cpu0, tree_cpu(svc.p.pid))
+            out["driver_cpu_share"] = shares.get("driver", 0.0)
+            out["jvm_cpu_share"] = shares.get("jvm", 0.0)
+            out["workers_cpu_share"] = shares.get("worker", 0.0)
+            out["sink_cpu_s"] = shares["cpu_s"]
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
@@ -488,43 +543,56 @@ def main() -> int:
             svc.stop()
 
             # -- 4. recovery of a SIGKILLed write service (separate processes) -----------------------
+            watch.stop()
             loads["recovery"] = load()
+            rec_topic, rec_id = "desired-recovery", "recovery"
+            ensure_topic(settings.kafka, rec_topic, PARTITIONS)
+            create_collection(settings, rec_id, SCHEMA)
+            settings.catalog().create_sink(SinkDef(rec_id, rec_topic, rec_id))
+            rec_shard = Shard.open(settings.store(), rec_id)
+            watch = UpperWatch(rec_shard, on_error=log)
+            rwl = Workload(DesiredProducer(settings.kafka, rec_topic, SCHEMA, linger_ms=20))
+            live = 2_000 if args.quick else 10_000
+            n_hist = 20_000 if args.quick else 50_000
+            out["recovery_live_rows"] = live
+
+            def steady(n: int) -> list[tuple[bytes, int]]:
+                """n updates: inserts until ``live`` rows, then as many retractions as inserts."""
+                ins = rwl.make(n if len(rwl.live) < live else n // 2, retract=0.0)
+                outs = []
+                while len(rwl.live) > live:
+                    outs.append((rwl.live.pop(0), -1))
+                return ins + outs
+
             log("recovery: starting mint, write and append as separate processes")
             sep = {
-                name: Proc(name, [sys.executable, "-m", f"services.{name}", "--sink", sink_id], env, work / f"{name}.log").start()
+                name: Proc(name, [sys.executable, "-m", f"services.{name}", "--sink", rec_id], env, work / f"{name}.log").start()
                 for name in ("mint", "write", "append")
             }
             procs.extend(sep.values())
-            stop_bg = threading.Event()
-            lock = threading.Lock()
-
-            def background() -> None:  # a light steady workload: 2k updates/s
-                while not stop_bg.is_set():
-                    with lock:
-                        wl.send_step(wl.make(1_000))
-                    stop_bg.wait(0.5)
-
-            bg = threading.Thread(target=background, daemon=True)
-            bg.start()
-            time.sleep(1.0)
-            target = wl.frontier
-            wait_for(lambda: watch.upper >= target, 900, "the separate services in step", list(sep.values()))
-            time.sleep(2.0)
-            target = wl.frontier
-            wait_for(lambda: watch.upper >= target, 300, "the separate services in step", list(sep.values()))
-            log("recovery: in step; SIGKILL write")
-            out["recovery_topic_updates"] = wl.updates  # what the restarted writer replays
-            out["recovery_shard_rows"] = shard.refresh().total_rows()  # and hydrates from
-            sep["write"].kill()
-            t_kill = time.monotonic()
-            sep["write"].start()
-            with lock:  # the first progress step made after the kill
-                after_kill = wl.send_step(wl.make(1_000))
-            wait_for(lambda: watch.upper >= after_kill, 900, "the sink back in step after the kill", list(sep.values()))
-            out["recovery_s"] = round((watch.when(after_kill) or time.monotonic()) - t_kill, 2)
-            log(f"recovery: back in step {out['recovery_s']}s after the kill")
-            stop_bg.set()
-            bg.join(timeout=10)
+            recov: dict[int, float] = {}
+            for history in (n_hist, 10 * n_hist):
+                while rwl.updates < history:
+                    rwl.send_step(steady(5_000))
+                producer_flush = rwl.producer.flush
+                producer_flush()
+                target = rwl.frontier
+                wait_for(lambda: watch.upper >= target, 900, f"the separate services in step at {history}", list(sep.values()))
+                log(f"recovery: in step after {rwl.updates} updates ({len(rwl.live)} live); SIGKILL write")
+                sep["write"].kill()
+                t_kill = time.monotonic()
+                sep["write"].start()
+                after_kill = rwl.send_step(steady(1_000))
+                producer_flush()
+                wait_for(lambda: watch.upper >= after_kill, 900, "the sink back in step after the kill", list(sep.values()))
+                recov[history] = (watch.when(after_kill) or time.monotonic()) - t_kill
+                log(f"recovery: back in step {recov[history]:.2f}s after the kill at {history} updates")
+            out["recovery_n_updates"] = n_hist
+            out["recovery_n_s"] = round(recov[n_hist], 2)
+            out["recovery_s"] = round(recov[10 * n_hist], 2)
+            out["recovery_history_ratio"] = round(recov[10 * n_hist] / recov[n_hist], 2)
+            out["recovery_topic_updates"] = rwl.updates
+            out["recovery_shard_rows"] = rec_shard.refresh().total_rows()
             watch.stop()
         finally:
             for p in procs:
