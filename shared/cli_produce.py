@@ -367,21 +367,21 @@ class Checked:
 
 def check_input(
     items: Iterable[tuple[int, str, Any]], codec: Any, frontier: Any, *, topic: str | None = None,
-    advance: tuple[bool, int | None] = (False, None),
+    advance: tuple[bool, int | None] = (False, None), what: str | None = None,
 ) -> Checked:
     """Pass 1: every line parses, every row encodes, and no time is below the frontier (what
     the topic has seen, then each progress line of the input). Nothing is kept in memory."""
     from shared.frontier import Frontier
 
     out = Checked()
-    where = f" of topic {topic!r}" if topic else ""
+    label = what or (f"the progress of topic {topic!r}" if topic else "the progress")
     for n, kind, payload in items:
         if kind == "update":
             row, t, _ = payload
             encode_row(codec, row, n)
             if not frontier.beyond(t):
                 raise ContractViolationError(
-                    f"expected update times at or beyond the progress{where} {_show(frontier)}, "
+                    f"expected update times at or beyond {label} {_show(frontier)}, "
                     f"found time {t} on line {n}", line=n, time=t, frontier=frontier.time)
             out.updates += 1
             out.max_time = t if out.max_time is None else max(out.max_time, t)
@@ -389,7 +389,7 @@ def check_input(
             target = Frontier.empty() if payload is None else Frontier.at(payload)
             if not frontier.less_equal(target):
                 raise ContractViolationError(
-                    f"expected progress at or beyond the progress{where} {_show(frontier)}, "
+                    f"expected progress at or beyond {label} {_show(frontier)}, "
                     f"found {_show(target)} on line {n}", line=n, frontier=frontier.time)
             frontier = target
             out.progress += 1
@@ -398,7 +398,7 @@ def check_input(
         target = Frontier.empty() if t is None else Frontier.at(t)
         if not frontier.less_equal(target):
             raise ContractViolationError(
-                f"expected --advance-to at or beyond the progress{where} {_show(frontier)}, found {_show(target)}",
+                f"expected --advance-to at or beyond {label} {_show(frontier)}, found {_show(target)}",
                 frontier=frontier.time)
     return out
 
