@@ -44,7 +44,7 @@ def register(sub: Any) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     col = sub.add_parser("collection", help="create, alter, drop or list collections",
                          description="Create, alter, drop or list collections.\n\n" + _VIA, formatter_class=fmt)
-    csub = col.add_subparsers(dest="collection_cmd", required=True, metavar="COMMAND")
+    csub = col.add_subparsers(dest="collection_cmd", required=True, metavar="COMMAND", help="what to do")
     p = csub.add_parser("create", help="create a collection and its shard",
                         description="Create a collection (its catalog entry and its shard).\n\n" + _POLICIES,
                         formatter_class=fmt)
@@ -78,7 +78,7 @@ def register(sub: Any) -> None:
 
     sk = sub.add_parser("sink", help="create, drop, allow writes on, or list sinks",
                         description="Create, drop, allow writes on, or list sinks.\n\n" + _VIA, formatter_class=fmt)
-    ssub = sk.add_subparsers(dest="sink_cmd", required=True, metavar="COMMAND")
+    ssub = sk.add_subparsers(dest="sink_cmd", required=True, metavar="COMMAND", help="what to do")
     p = ssub.add_parser("create", help="register a sink: desired topic -> collection",
                         description="Register a sink: the services keep the collection equal to the desired "
                         "collection on the topic.")

@@ -131,7 +131,10 @@ class ControllerSession:
         from shared.io.kafka import OffsetProbe
         from shared.io.kafka_admin import ensure_topic
 
+        from shared.cli_util import check_brokers
+
         self.settings = settings(args)
+        check_brokers(self.settings.kafka.bootstrap)
         self.commands_topic, self.responses_topic = topics(args)
         self.timeout_s = float(getattr(args, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
         kafka = self.settings.kafka

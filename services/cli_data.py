@@ -338,7 +338,10 @@ def _tail(args: argparse.Namespace) -> int:
     from shared.io.kafka import OffsetProbe, new_consumer
     from shared.io.kafka_admin import ensure_topic
 
+    from shared.cli_util import check_brokers
+
     s = settings(args)
+    check_brokers(s.kafka.bootstrap)
     fresh = args.topic is None
     topic = args.topic or f"shardsink-tail-{args.collection_id}-{uuid.uuid4().hex[:12]}"
     ensure_topic(s.kafka, topic, 1)

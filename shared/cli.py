@@ -51,9 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, one line already printed)
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        from shared.cli_util import quiet_logging
+
+        quiet_logging()
         return int(func(args) or 0)
     except ShardsinkError as e:
         from shared.errors import kind_of

@@ -412,7 +412,7 @@ def _produce(args: argparse.Namespace) -> int:
     import os
 
     from shared.cli import print_json
-    from shared.cli_util import ProgressBar, load_schema
+    from shared.cli_util import ProgressBar, check_brokers, load_schema
     from shared.codec import RowCodec
     from shared.frontier import Frontier
     from shared.io.desired_producer import DesiredProducer, topic_progress
@@ -430,6 +430,7 @@ def _produce(args: argparse.Namespace) -> int:
     bootstrap = args.bootstrap or os.environ.get("SHARDSINK_KAFKA_BOOTSTRAP", "")
     settings = KafkaSettings.of(bootstrap, options)
     schema_obj = load_schema(args.schema)
+    check_brokers(settings.bootstrap)
     schema = json.dumps(schema_obj)
     codec = RowCodec(schema_obj)
     advance, advance_to = parse_advance(args.advance_to)

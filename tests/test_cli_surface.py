@@ -231,3 +231,181 @@ def test_produce_to_a_missing_topic_and_from_a_missing_file_is_one_line(
     code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input", missing, "--partitions", "1")
     assert err == f"error: InvalidUsageError: expected a readable input file {missing!r}, found no such file or directory\n"
     assert code == 2
+
+
+# ==================================================================================================
+# 5: make up on busy ports
+# ==================================================================================================
+def test_up_refuses_a_busy_port_in_one_line_and_prints_no_environment(stack: EmbeddedStack) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = run_process(["up", "--kafka-port", str(port), "--s3-port", "0"], {}, timeout_s=60)
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr == (f"error: EmbeddedStackError: expected port {port} (Kafka) free on 127.0.0.1, found it in "
+                        f"use; choose another with --kafka-port N (make up ARGS='--kafka-port N')\n")
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(VPY) -m shared.embedded $(ARGS)" in makefile
+    assert "make up ARGS='--kafka-port" in (ROOT / "README.md").read_text()
+
+
+# ==================================================================================================
+# 6: reading commands create nothing; a missing catalog, bucket or endpoint is one line
+# ==================================================================================================
+def test_reading_commands_never_create_a_catalog_or_a_bucket(
+    env: ControllerSettings, s3_client: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = f"typo-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("SHARDSINK_S3_PREFIX", prefix)
+    for argv in (["status"], ["collection", "list"], ["sink", "list"], ["peek", "orders"]):
+        code, out, err = run(capsys, *argv)
+        assert (code, out) == (2, ""), (argv, err)
+        if argv[0] == "peek":  # through the controller: it does not know the collection
+            _one_error(err, "error: UnknownIdError: ")
+            continue
+        assert err == (f"error: CatalogNotFoundError: expected a catalog at s3://shardsink/{prefix}/catalog/, "
+                       "found none (nothing was created; check --bucket and --s3-prefix)\n"), (argv, err)
+    assert s3_client.list_objects_v2(Bucket="shardsink", Prefix=prefix).get("KeyCount", 0) == 0
+    # A mistyped bucket: one line, and the bucket is not created.
+    code, out, err = run(capsys, "status", "--bucket", "no-such-bucket")
+    assert (code, out) == (2, "")
+    assert err == f"error: ObjectStoreError: expected bucket 'no-such-bucket' at {os.environ['SHARDSINK_S3_ENDPOINT']}, found no such bucket\n"
+    assert "no-such-bucket" not in [b["Name"] for b in s3_client.list_buckets()["Buckets"]]
+    # An endpoint nobody serves: one line naming it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    code, out, err = run(capsys, "collection", "list", "--s3-endpoint", dead)
+    assert code == 2
+    assert err.startswith(f"error: ObjectStoreError: expected bucket 'shardsink' at {dead}, found it unreachable"), err
+    assert err.count("\n") == 1
+
+
+# ==================================================================================================
+# 7, 10, 12: tail cleans up its topic; one vocabulary; peek order and timestamps round-trip
+# ==================================================================================================
+TS_SCHEMA = {"type": "record", "name": "Stamped", "fields": [
+    {"name": "k", "type": "long"}, {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    {"name": "price", "type": ["null", {"type": "bytes", "logicalType": "decimal", "precision": 9, "scale": 2}],
+     "default": None},
+]}
+
+
+def _tail_topics(stack: EmbeddedStack, collection_id: str) -> list[str]:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap_servers})
+    return [t for t in admin.list_topics(timeout=10).topics if t.startswith(f"shardsink-tail-{collection_id}-")]
+
+
+def test_tail_deletes_its_topic_and_printed_values_produce_back(
+    env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cid = f"stamped{uuid.uuid4().hex[:6]}"
+    schema = _schema_file(tmp_path, TS_SCHEMA)
+    assert run(capsys, "collection", "create", cid, "--schema", schema, "--via", "controller")[0] == 0
+    rows = [{"k": 2, "at": "2024-05-01 12:00:00+00:00", "price": "12.50"}, {"k": 1, "at": "2024-05-01T12:00:01Z"},
+            {"k": 3, "at": "2024-05-01 12:00:02"}]
+    code, out, err = run(capsys, "append", cid, "--advance-to", "2",
+                         "--input", _lines(tmp_path / "a.jsonl", *[{"row": r, "time": 0} for r in rows]))
+    assert code == 0, err
+    # peek: row order, so --limit keeps the same rows, and says how many there are.
+    code, out, err = run(capsys, "peek", cid, "--limit", "2", "--output", "csv")
+    assert code == 0, err
+    assert [line.split(",")[0] for line in out.splitlines()] == ["k", "1", "2"]
+    assert err == f"2 of 3 rows of {cid} as of 1\n"
+    # tail until --up-to: its fresh topic is gone afterwards.
+    code, out, err = run(capsys, "tail", cid, "--as-of", "0", "--up-to", "1")
+    assert code == 0, err
+    printed = [json.loads(line.split("\t")[2]) for line in out.splitlines()]
+    assert sorted(r["k"] for r in printed) == [1, 2, 3]
+    assert _tail_topics(stack, cid) == []
+    # What tail printed is accepted by produce for the same schema, and means the same values.
+    topic = f"surface-ts-{uuid.uuid4().hex[:8]}"
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "1",
+                         "--input", _lines(tmp_path / "back.jsonl", *[{"row": r, "time": 5} for r in printed]))
+    assert code == 0, err
+    from shared.codec import RowCodec
+
+    codec = RowCodec(TS_SCHEMA)
+    got = sorted((codec.decode(m.row)["k"], codec.decode(m.row)["at"], codec.decode(m.row)["price"])
+                 for m in _topic_messages(stack, topic, 1, expected=3) if isinstance(m, DesiredUpdate))
+    import datetime as dt
+    from decimal import Decimal
+
+    base = dt.datetime(2024, 5, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
+    assert got == [(1, base + dt.timedelta(seconds=1), None), (2, base, Decimal("12.50")),
+                   (3, base + dt.timedelta(seconds=2), None)]
+    # A timestamp that does not parse: the line, nothing sent.
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input",
+                         _lines(tmp_path / "badts.jsonl", {"row": {"k": 9, "at": "yesterday"}, "time": 6}))
+    assert code == 2 and "on line 1" in err and "nothing was produced" in err and err.count("\n") == 1, err
+    # The same failure through either --via prints the same kind.
+    for via in ("controller", "catalog"):
+        code, out, err = run(capsys, "sink", "drop", f"nope-{via}", "--via", via)
+        assert code == 2
+        _one_error(err, "error: UnknownIdError: ")
+    # A failed tail (unknown collection) leaves no topic either.
+    code, out, err = run(capsys, "tail", f"{cid}x", "--as-of", "0")
+    assert code == 2 and err.startswith("error: UnknownIdError: ") and err.count("\n") == 1, err
+    assert _tail_topics(stack, f"{cid}x") == []
+
+
+# ==================================================================================================
+# 11: --help
+# ==================================================================================================
+def _commands(parser: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+    if prefix:
+        yield prefix, parser
+
+
+def test_help_is_per_command_with_help_on_every_flag_and_client_flags_only(capsys: pytest.CaptureFixture[str]) -> None:
+    module, _ = _entry_point()
+    parser = importlib.import_module(module).build_parser()
+    commands = dict(_commands(parser))
+    assert {("produce",), ("append",), ("peek",), ("tail",), ("status",), ("up",), ("collection", "create"),
+            ("sink", "list")} <= set(commands)
+    descriptions = {}
+    for name, sub in commands.items():
+        text = sub.format_help()
+        for flag in ("--master", "--trigger-ms", "--checkpoint-dir", "--grace-ms", "--sink ", "--catalog-poll-ms",
+                     "--descs-topic"):
+            assert flag not in text, (name, flag)
+        assert "``" not in text and "::" not in text and ":class:" not in text, name
+        for action in sub._actions:
+            assert action.help and action.help.strip(), (name, action.dest)
+        if sub.description:
+            descriptions[name] = sub.description
+    # Each leaf command has its own description.
+    leaves = [n for n, s in commands.items() if not any(isinstance(a, __import__("argparse")._SubParsersAction)
+                                                        for a in s._actions)]
+    assert len({descriptions.get(n) for n in leaves}) == len(leaves), descriptions
+    # A bad value is one line, not the usage.
+    code, out, err = run(capsys, "peek", "orders", "--limit", "many")
+    assert (code, out) == (2, "")
+    assert err == "error: InvalidUsageError: argument --limit: invalid int value: 'many' (see shardsink peek --help)\n"
+
+
+# ==================================================================================================
+# 9: an unreachable broker is one line naming the address
+# ==================================================================================================
+def test_an_unreachable_broker_is_one_line_naming_the_address(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    schema = _schema_file(tmp_path)
+    data = _lines(tmp_path / "a.jsonl", {"row": {"k": 1, "v": "a"}, "time": 0}, {"progress": 1})
+    env = {"SHARDSINK_KAFKA_BOOTSTRAP": address}
+    for argv in (["produce", "--topic", "t", "--schema", schema, "--input", data], ["peek", "orders"],
+                 ["tail", "orders"]):
+        p = run_process(argv, env, timeout_s=120)
+        assert (p.returncode, p.stdout) == (2, ""), (argv, p.stderr)
+        assert p.stderr == (f"error: KafkaUnavailableError: expected a Kafka broker at {address}, found none "
+                            "reachable (connection refused); check --bootstrap or SHARDSINK_KAFKA_BOOTSTRAP\n"), argv
