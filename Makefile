@@ -29,9 +29,9 @@ demo: $(STAMP)
 test-fast: $(STAMP)
 	$(VPY) -m pytest -m 'not campaign' $(ARGS)
 
-## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground
+## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground (ARGS='--kafka-port N --s3-port M')
 up: $(STAMP)
-	$(VPY) -m shared.embedded
+	$(VPY) -m shared.embedded $(ARGS)
 
 ## make bench-shard: shard storage layer benchmark (last line: JSON figures)
 bench-shard: $(STAMP)

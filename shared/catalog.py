@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
 
-from shared.errors import FormatError, InvalidUsageError, ShardsinkError
+from shared.errors import FormatError, InvalidUsageError, ShardsinkError, UnknownIdError
 from shared.objectstore import ObjectStore, now_ms
 from shared.versioned import AlreadyApplied, VersionedLog
 
@@ -36,16 +36,22 @@ class CatalogError(ShardsinkError):
     kind = "catalog_error"
 
 
-class UnknownCollectionError(CatalogError):
+class UnknownCollectionError(CatalogError, UnknownIdError):
     kind = "unknown_collection"
 
 
-class UnknownSinkError(CatalogError):
+class UnknownSinkError(CatalogError, UnknownIdError):
     kind = "unknown_sink"
 
 
 class IdReuseError(CatalogError):
     kind = "id_reuse"
+
+
+class CatalogNotFoundError(CatalogError):
+    """No catalog at this bucket and prefix: a reading command never creates one."""
+
+    kind = "catalog_not_found"
 
 
 class FencedError(CatalogError):
@@ -226,17 +232,30 @@ def _next(state: CatalogState, token: str, **changes: Any) -> CatalogState:
 class Catalog:
     """A handle on the catalog at ``<root>/``; thread-safe, many handles may race."""
 
-    def __init__(self, store: ObjectStore, *, root: str = "catalog", max_cache_age_s: float = 1.0) -> None:
+    def __init__(
+        self, store: ObjectStore, *, root: str = "catalog", max_cache_age_s: float = 1.0, create: bool = True
+    ) -> None:
+        """``create=False`` (readers) never writes: no catalog is CatalogNotFoundError."""
         self.store = store
+        self.root = root
         self._log: VersionedLog[CatalogState] = VersionedLog(
             store, f"{root}/", CatalogState.decode, max_cache_age_s=max_cache_age_s, name="catalog"
         )
-        self._ensure()
+        self._ensure(create)
 
-    def _ensure(self) -> None:
+    def _ensure(self, create: bool = True) -> None:
+        from shared.errors import ShardNotFoundError
+
         try:
             self._log.refresh()
+        except ShardNotFoundError:
+            if not create:
+                raise CatalogNotFoundError(f"expected a catalog under {self.root + '/'!r}, found none") from None
+            self._log.put_initial(CatalogState(seqno=0, change_token=uuid.uuid4().hex, written_ms=now_ms()))
+            self._log.refresh()
         except ShardsinkError:
+            if not create:
+                raise
             self._log.put_initial(CatalogState(seqno=0, change_token=uuid.uuid4().hex, written_ms=now_ms()))
             self._log.refresh()
 

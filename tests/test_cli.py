@@ -201,7 +201,7 @@ def test_cli_end_to_end_create_append_peek_tail_status_drop(
     assert (code, json.loads(out)) == (0, {"dropped": "cli1"}), err
     code, out, err = run(capsys, "peek", "cli1", "--as-of", "8")
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("error: IdentifierMissing: "), err
+    assert err.count("\n") == 1 and err.startswith("error: UnknownIdError: "), err
 
 
 def test_cli_sinks_via_controller_and_catalog(env: ControllerSettings, tmp_path: Path,
@@ -235,7 +235,7 @@ def test_cli_sinks_via_controller_and_catalog(env: ControllerSettings, tmp_path:
     assert run(capsys, "sink", "create", "cli2-direct", "--topic", "t", "--collection", "cli2", "--via", "catalog")[0] == 0
     assert run(capsys, "sink", "drop", "cli2-direct", "--via", "catalog")[0] == 0
     code, out, err = run(capsys, "sink", "drop", "cli2-direct")
-    assert code == 2 and err.startswith("error: IdentifierMissing: ") and err.count("\n") == 1, err
+    assert code == 2 and err.startswith("error: UnknownIdError: ") and err.count("\n") == 1, err
     # Collections through the catalog directly: create (with a policy), alter, drop.
     assert run(capsys, "collection", "create", "cli2c", "--schema", schema, "--since", "4", "--read-policy",
                "lag:5", "--via", "catalog")[0] == 0
@@ -350,15 +350,15 @@ def test_cli_error_paths_are_one_line_and_exit_2(env: ControllerSettings, tmp_pa
                                                  capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     schema = _schema_file(tmp_path)
     cases: list[tuple[list[str], str]] = [
-        (["peek", "nope", "--as-of", "0"], "error: IdentifierMissing: "),
-        (["tail", "nope", "--as-of", "0"], "error: IdentifierMissing: "),
-        (["collection", "drop", "nope"], "error: IdentifierMissing: "),
-        (["collection", "alter", "nope", "--read-policy", "lag:5"], "error: IdentifierMissing: "),
+        (["peek", "nope", "--as-of", "0"], "error: UnknownIdError: "),
+        (["tail", "nope", "--as-of", "0"], "error: UnknownIdError: "),
+        (["collection", "drop", "nope"], "error: UnknownIdError: "),
+        (["collection", "alter", "nope", "--read-policy", "lag:5"], "error: UnknownIdError: "),
         (["collection", "create", "x", "--schema", str(tmp_path / "missing.avsc")], "error: SchemaError: "),
-        (["collection", "create", "a/b", "--schema", schema], "error: InvalidUsage: "),
+        (["collection", "create", "a/b", "--schema", schema], "error: InvalidUsageError: "),
         (["collection", "create", "x", "--schema", schema, "--read-policy", "soon"], "error: InvalidUsageError: "),
         (["peek", "nope", "--output", "parquet"], "error: InvalidUsageError: "),
-        (["append", "nope", "--input", str(tmp_path / "missing.jsonl")], "error: UnknownCollectionError: "),
+        (["append", "nope", "--input", str(tmp_path / "missing.jsonl")], "error: UnknownIdError: "),
     ]
     for argv, prefix in cases:
         code, out, err = run(capsys, *argv)
@@ -367,14 +367,14 @@ def test_cli_error_paths_are_one_line_and_exit_2(env: ControllerSettings, tmp_pa
     # Creating an id again with another definition.
     assert run(capsys, "collection", "create", "cli4", "--schema", schema)[0] == 0
     code, out, err = run(capsys, "collection", "create", "cli4", "--schema", schema, "--since", "3")
-    assert code == 2 and err.startswith("error: IdentifierReused: "), err
+    assert code == 2 and err.startswith("error: IdReuseError: "), err
     # Peek below since.
     assert run(capsys, "collection", "alter", "cli4", "--read-policy", "valid-from:2")[0] == 0
     code, out, err = run(capsys, "append", "cli4", "--advance-to", "5", "--input", _jsonl(tmp_path / "e.jsonl", [], []))
     assert code == 0, err
     _wait(lambda: Shard(env.service.store(), "cli4").refresh().since.time == 2)
     code, out, err = run(capsys, "peek", "cli4", "--as-of", "1")
-    assert code == 2 and err.startswith("error: ReadBeforeSince: ") and err.count("\n") == 1, err
+    assert code == 2 and err.startswith("error: SinceViolationError: ") and err.count("\n") == 1, err
     # No controller on these topics: a clear timeout, not a hang.
     monkeypatch.setenv("SHARDSINK_TOPIC_COMMANDS", f"{env.commands_topic}-nobody")
     code, out, err = run(capsys, "peek", "cli4", "--as-of", "3", "--timeout", "1")

@@ -42,45 +42,54 @@ def _settings(args: argparse.Namespace) -> Any:
 def register(sub: Any) -> None:
     from shardsink.cli.common import add_connection_args, add_via
 
-    col = sub.add_parser(
-        "collection", help="create, alter, drop or list collections",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    csub = col.add_subparsers(dest="collection_cmd", required=True)
-    p = csub.add_parser("create", help="create a collection and its shard")
-    p.add_argument("collection_id")
-    p.add_argument("--schema", required=True, help="Avro record schema file (.avsc) of the rows")
-    p.add_argument("--since", type=int, default=0)
-    p.add_argument("--read-policy", default=None, help="valid-from:T | lag:L[:G] | A,B (default valid-from:SINCE)")
+    fmt = argparse.RawDescriptionHelpFormatter
+    col = sub.add_parser("collection", help="create, alter, drop or list collections",
+                         description="Create, alter, drop or list collections.\n\n" + _VIA, formatter_class=fmt)
+    csub = col.add_subparsers(dest="collection_cmd", required=True, metavar="COMMAND", help="what to do")
+    p = csub.add_parser("create", help="create a collection and its shard",
+                        description="Create a collection (its catalog entry and its shard).\n\n" + _POLICIES,
+                        formatter_class=fmt)
+    p.add_argument("collection_id", help="the new collection's id (never reused, even after a drop)")
+    p.add_argument("--schema", required=True, help="the rows' Avro record schema file (.avsc)")
+    p.add_argument("--since", type=int, default=0, help="the initial since: the first readable time (default 0)")
+    p.add_argument("--read-policy", default=None,
+                   help="valid-from:T | lag:L[:G] | A,B (default valid-from:SINCE)")
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_collection_create)
-    p = csub.add_parser("alter", help="change a collection's read policy")
-    p.add_argument("collection_id")
+    p = csub.add_parser("alter", help="change a collection's read policy",
+                        description="Change a collection's read policy.\n\n" + _POLICIES, formatter_class=fmt)
+    p.add_argument("collection_id", help="the collection")
     p.add_argument("--read-policy", required=True, help="valid-from:T | lag:L[:G] | A,B")
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_collection_alter)
-    p = csub.add_parser("drop", help="drop a collection (its id is never reused)")
-    p.add_argument("collection_id")
+    p = csub.add_parser("drop", help="drop a collection (its id is never reused)",
+                        description="Drop a collection: its since and upper go to the empty frontier and its "
+                        "storage is reclaimed later; the id is never reused.")
+    p.add_argument("collection_id", help="the collection")
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_collection_drop)
-    p = csub.add_parser("list", help="list collections with upper, since and batch counts")
-    add_connection_args(p, controller=False)
+    p = csub.add_parser("list", help="list collections with upper, since, batches, rows and bytes",
+                        description="List the live collections (one JSON object per line), read from the catalog "
+                        "and the shards on S3 directly; nothing is created.")
+    add_connection_args(p, controller=False, kafka=False)
     p.set_defaults(func=_collection_list)
 
-    sk = sub.add_parser(
-        "sink", help="create, drop, allow writes on, or list sinks",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ssub = sk.add_subparsers(dest="sink_cmd", required=True)
-    p = ssub.add_parser("create", help="register a sink: desired topic -> collection")
-    p.add_argument("sink_id")
-    p.add_argument("--topic", required=True, help="the desired topic")
-    p.add_argument("--collection", required=True)
-    p.add_argument("--as-of", type=int, default=None, help="start time (default: the collection's upper; 0 via catalog)")
-    p.add_argument("--read-only", action="store_true")
+    sk = sub.add_parser("sink", help="create, drop, allow writes on, or list sinks",
+                        description="Create, drop, allow writes on, or list sinks.\n\n" + _VIA, formatter_class=fmt)
+    ssub = sk.add_subparsers(dest="sink_cmd", required=True, metavar="COMMAND", help="what to do")
+    p = ssub.add_parser("create", help="register a sink: desired topic -> collection",
+                        description="Register a sink: the services keep the collection equal to the desired "
+                        "collection on the topic.")
+    p.add_argument("sink_id", help="the new sink's id")
+    p.add_argument("--topic", required=True, help="the desired topic the sink reads")
+    p.add_argument("--collection", required=True, help="the collection the sink writes")
+    p.add_argument("--as-of", type=int, default=None,
+                   help="the start time (default: the collection's upper; 0 with --via catalog)")
+    p.add_argument("--read-only", action="store_true",
+                   help="observe without writing until sink allow-writes")
     p.add_argument(
         "--adopt-shard", action="store_true",
         help="take the collection's current contents as the desired baseline and correct only "
@@ -96,22 +105,36 @@ def register(sub: Any) -> None:
         "collection's current contents as the desired baseline; it corrects only from the "
         "shard's upper on. Written to the catalog directly.",
     )
-    p.add_argument("sink_id")
+    p.add_argument("sink_id", help="the sink")
     add_connection_args(p)
     p.set_defaults(func=_sink_adopt)
-    p = ssub.add_parser("drop", help="drop a sink")
-    p.add_argument("sink_id")
+    p = ssub.add_parser("drop", help="drop a sink", description="Drop a sink (the services stop its queries).")
+    p.add_argument("sink_id", help="the sink")
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_sink_drop)
-    p = ssub.add_parser("allow-writes", help="leave read-only mode")
+    p = ssub.add_parser("allow-writes", help="leave read-only mode",
+                        description="Let read-only sinks write (no id: every sink, through the controller only).")
     p.add_argument("sink_id", nargs="?", default=None, help="the sink (default: every sink; controller only)")
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_sink_allow)
-    p = ssub.add_parser("list", help="list sinks")
-    add_connection_args(p, controller=False)
+    p = ssub.add_parser("list", help="list sinks",
+                        description="List the live sinks (one JSON object per line), read from the catalog on S3; "
+                        "nothing is created.")
+    add_connection_args(p, controller=False, kafka=False)
     p.set_defaults(func=_sink_list)
+
+
+_VIA = """\
+--via controller sends a command to the running controller and waits for its answer;
+--via catalog writes the catalog on S3 directly (deployments without a controller);
+--via auto (the default) is the controller once one has claimed the catalog."""
+
+_POLICIES = """\
+Read policies (--read-policy): valid-from:T holds since at T (valid-from:closed lets it
+go); lag:L[:G] lets since follow the upper L behind, rounded down to multiples of G
+(default L); several joined by , take the least of them."""
 
 
 def parse_read_policy(text: str) -> Any:
@@ -228,10 +251,11 @@ def _collection_drop(args: argparse.Namespace) -> int:
 
 
 def _collection_list(args: argparse.Namespace) -> int:
+    from shardsink.cli.common import read_catalog
     from shared.shard import Shard
 
     s = _settings(args)
-    for c in s.catalog().state().live_collections():
+    for c in read_catalog(s).state().live_collections():
         st = Shard.open(s.store(), c.collection_id).refresh()
         print_json(
             {
@@ -297,6 +321,8 @@ def _sink_allow(args: argparse.Namespace) -> int:
 
 
 def _sink_list(args: argparse.Namespace) -> int:
-    for s in _settings(args).catalog().state().live_sinks():
+    from shardsink.cli.common import read_catalog
+
+    for s in read_catalog(_settings(args)).state().live_sinks():
         print_json(s.to_json())
     return 0

@@ -23,16 +23,26 @@ __all__ = ["ControllerSession", "ProgressBar", "load_schema", "check", "results"
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def add_connection_args(p: argparse.ArgumentParser, *, controller: bool = True) -> None:
-    from services.common import ServiceSettings
-
-    ServiceSettings.add_arguments(p)
+def add_connection_args(p: argparse.ArgumentParser, *, controller: bool = True, kafka: bool = True) -> None:
+    """The flags of a client command: where Kafka and S3 are (the service-only flags, such as
+    ``--master`` or ``--checkpoint-dir``, belong to the services), and with ``controller``
+    the controller's topics and how long to wait for its answer."""
+    g = p.add_argument_group("connection (flags override the environment)")
+    if kafka:
+        g.add_argument("--bootstrap", help="Kafka bootstrap servers host:port (default $SHARDSINK_KAFKA_BOOTSTRAP)")
+    g.add_argument("--s3-endpoint", help="S3 endpoint URL (default $SHARDSINK_S3_ENDPOINT, else AWS)")
+    g.add_argument("--bucket", help="S3 bucket (default $SHARDSINK_S3_BUCKET, else shardsink)")
+    g.add_argument("--s3-prefix", help="S3 key prefix (default $SHARDSINK_S3_PREFIX, else none)")
     if controller:
-        p.add_argument("--commands-topic", help="controller commands topic (SHARDSINK_TOPIC_COMMANDS)")
-        p.add_argument("--responses-topic", help="controller responses topic (SHARDSINK_TOPIC_RESPONSES)")
-        p.add_argument(
-            "--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-            help=f"seconds to wait for the controller's answer (default {DEFAULT_TIMEOUT_S:g})",
+        g.add_argument("--commands-topic", help="the controller's commands topic (default $SHARDSINK_TOPIC_COMMANDS, "
+                       "else commands)")
+        g.add_argument("--responses-topic", help="the controller's responses topic (default "
+                       "$SHARDSINK_TOPIC_RESPONSES, else responses)")
+        g.add_argument(
+            "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+            help=f"how long to wait for the controller's answer (default {DEFAULT_TIMEOUT_S:g}); a peek at a "
+            "time that is not readable yet is answered NotReadableYetError by the controller after its own "
+            "peek timeout (30 s by default)",
         )
 
 
@@ -45,11 +55,55 @@ def add_via(p: argparse.ArgumentParser) -> None:
 
 
 def via_controller(args: argparse.Namespace) -> bool:
-    """Whether ``--via`` (auto: a controller epoch is recorded in the catalog) means the controller."""
+    """Whether ``--via`` (auto: a controller epoch is recorded in the catalog) means the controller.
+    Deciding creates nothing: without a catalog, auto means the catalog."""
+    from shared.catalog import CatalogNotFoundError
+
     via = getattr(args, "via", "auto")
     if via == "auto":
-        return bool(settings(args).catalog().state().controller_epoch > 0)
+        try:
+            return bool(read_catalog(settings(args)).state().controller_epoch > 0)
+        except CatalogNotFoundError:
+            return False
     return via == "controller"
+
+
+def check_bucket(s: Any) -> None:
+    """One clear error when the S3 endpoint cannot be reached or the bucket does not exist
+    (never creates it)."""
+    from shared.errors import ObjectStoreError
+
+    endpoint = s.s3.endpoint or "the AWS S3 endpoint"
+    try:
+        s.store().client.head_bucket(Bucket=s.s3.bucket)
+    except Exception as e:  # noqa: BLE001 - botocore's errors as one of ours
+        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) if hasattr(e, "response") else ""
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            found = "no such bucket"
+        elif code in ("403", "AccessDenied", "Forbidden"):
+            found = "access denied (check the credentials)"
+        elif code:
+            found = f"{code}"
+        else:
+            found = f"it unreachable ({type(e).__name__})"
+        raise ObjectStoreError(f"expected bucket {s.s3.bucket!r} at {endpoint}, found {found}",
+                               bucket=s.s3.bucket) from None
+
+
+def read_catalog(s: Any) -> Any:
+    """The catalog, for a command that only reads: it never creates a catalog or a bucket; a
+    missing endpoint, bucket or catalog is one clear error."""
+    from shared.catalog import Catalog, CatalogNotFoundError
+
+    check_bucket(s)
+    try:
+        return Catalog(s.store(), create=False)
+    except CatalogNotFoundError:
+        prefix = s.s3.prefix.rstrip("/") + "/" if s.s3.prefix else ""
+        raise CatalogNotFoundError(
+            f"expected a catalog at s3://{s.s3.bucket}/{prefix}catalog/, found none (nothing was created; "
+            "check --bucket and --s3-prefix)"
+        ) from None
 
 
 def settings(args: argparse.Namespace) -> Any:
@@ -77,7 +131,10 @@ class ControllerSession:
         from shared.io.kafka import OffsetProbe
         from shared.io.kafka_admin import ensure_topic
 
+        from shardsink.cli.util import check_brokers
+
         self.settings = settings(args)
+        check_brokers(self.settings.kafka.bootstrap)
         self.commands_topic, self.responses_topic = topics(args)
         self.timeout_s = float(getattr(args, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
         kafka = self.settings.kafka
@@ -143,7 +200,7 @@ def row_codec(settings_: Any, collection_id: str) -> Any:
     from shared.catalog import UnknownCollectionError
     from shared.codec import RowCodec
 
-    c = settings_.catalog().state().collections.get(collection_id)
+    c = read_catalog(settings_).state().collections.get(collection_id)
     if c is None:
         raise UnknownCollectionError(f"expected a collection {collection_id!r}, found none", collection_id=collection_id)
     return RowCodec(c.schema)

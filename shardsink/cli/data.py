@@ -57,46 +57,79 @@ from shared.errors import InvalidUsageError
 
 
 def register(sub: Any) -> None:
+    from shardsink.cli.produce import add_input_args
+
+    fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("append", help="append updates to a collection through the controller (table writes)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("collection_id")
-    p.add_argument("--input", default="-", help="JSON lines or CSV file (default stdin)")
-    p.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
-    p.add_argument("--time-column", default="time")
-    p.add_argument("--diff-column", default="diff")
-    p.add_argument("--advance-to", default=None, metavar="T|closed", help="the upper after the last update")
+                       description=_APPEND, formatter_class=fmt)
+    p.add_argument("collection_id", help="the collection to append to")
+    add_input_args(p)
     p.add_argument("--chunk-rows", type=int, default=5000, help="updates per Append command (default 5000)")
     add_connection_args(p)
     p.set_defaults(func=_append)
 
     p = sub.add_parser("peek", help="read a collection as of a time (through the controller)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("collection_id")
-    p.add_argument("--as-of", type=int, default=None, help="the time (default: the latest readable)")
-    p.add_argument("--limit", type=int, default=None, help="at most N (row, count) pairs")
-    p.add_argument("--output", choices=("table", "csv", "parquet"), default="table")
+                       description=_PEEK, formatter_class=fmt)
+    p.add_argument("collection_id", help="the collection to read")
+    p.add_argument("--as-of", type=int, default=None, help="the time to read at (default: the latest readable)")
+    p.add_argument("--limit", type=int, default=None, help="print at most N (row, count) pairs, in row order")
+    p.add_argument("--output", choices=("table", "csv", "parquet"), default="table",
+                   help="the output format (default table)")
     p.add_argument("--file", default=None, help="write to this file (required for parquet; default stdout)")
-    p.add_argument("--max-inline-bytes", type=int, default=None, help="answer inline up to this size")
+    p.add_argument("--max-inline-bytes", type=int, default=None,
+                   help="answer inline up to this size, else as an S3 object (default: the controller's)")
     add_connection_args(p)
     p.set_defaults(func=_peek)
 
     p = sub.add_parser("tail", help="subscribe to a collection and print its changes (like kcat)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("collection_id")
+                       description=_TAIL, formatter_class=fmt)
+    p.add_argument("collection_id", help="the collection to subscribe to")
     p.add_argument("--as-of", type=int, default=None, help="the snapshot time (default: the collection's since)")
     p.add_argument("--up-to", type=int, default=None, help="stop before this time (default: never)")
     p.add_argument("--progress", action="store_true", help="print progress statements too")
-    p.add_argument("--no-snapshot", action="store_true", help="only the changes after --as-of")
+    p.add_argument("--no-snapshot", action="store_true", help="only the changes after --as-of, no snapshot")
     p.add_argument("--topic", default=None, help="the output topic (default: a fresh one, deleted at the end)")
     add_connection_args(p)
     p.set_defaults(func=_tail)
 
     p = sub.add_parser("status", help="every collection: upper, since, lag, batches, rows, bytes",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", choices=("table", "json"), default="table")
-    p.add_argument("--lag-window", type=int, default=1000, help="messages per desired partition read for the lag")
+                       description=_STATUS, formatter_class=fmt)
+    p.add_argument("--output", choices=("table", "json"), default="table", help="the output format (default table)")
+    p.add_argument("--lag-window", type=int, default=1000,
+                   help="messages per desired partition read to find the lag (default 1000)")
     add_connection_args(p, controller=False)
     p.set_defaults(func=_status)
+
+
+_APPEND = """\
+Append updates to a collection with the controller's Append command (table writes, no sink).
+
+The input is JSON lines or CSV, as for produce. The updates up to each progress line
+(--advance-to after the last one; without either, the upper goes to the largest time + 1)
+are sent in chunks of --chunk-rows, each committed iff the upper is where the previous
+chunk left it. All or nothing on the CLI's side: the whole input is checked (JSON, schema,
+times not below the collection's upper) before anything is sent."""
+
+_PEEK = """\
+Print a collection's (row, count) pairs as of a time, sorted by row, as a table, CSV or
+Parquet. The controller answers inline or with an S3 Parquet object, read from there."""
+
+_TAIL = """\
+Subscribe to a collection and print each change as time<TAB>diff<TAB>row-json, like kcat;
+with --progress also progress<TAB>T lines (progress<TAB>closed at the end).
+
+The subscribe writes to a fresh output topic (--topic to name one), deleted at the end. It
+stops when the subscribe ends (--up-to reached, collection dropped) or on Ctrl-C, which
+cancels the subscribe (exit 130)."""
+
+_STATUS = """\
+Print upper, since, lag, batches, rows and bytes of every live collection, read from the
+catalog and the shards on S3 directly (no controller needed; nothing is created).
+
+lag is the desired frontier of the collection's sinks (the last progress statement of every
+partition of the desired topic, among its last --lag-window messages) minus the upper, in
+time units; - when there is no sink or no progress statement was found. The upper is not
+compared with the wall clock: times are the producer's, not necessarily milliseconds."""
 
 
 # ==================================================================================================
@@ -121,31 +154,41 @@ def chunk_updates(
 
 
 def _append(args: argparse.Namespace) -> int:
+    """Two passes over the input: check all of it, then send it in chunks."""
     import contextlib
 
-    from shardsink.cli.produce import parse_advance, read_input
+    from shardsink.cli.produce import check_input, encode_row, open_input, parse_advance, read_numbered
+    from shared.errors import ContractViolationError, EncodeError
+    from shared.shard import Shard
 
     if args.chunk_rows < 1:
         raise InvalidUsageError(f"expected --chunk-rows >= 1, found {args.chunk_rows}")
     s = settings(args)
     codec = row_codec(s, args.collection_id)
+    schema = json.dumps(codec.schema)
     advance, advance_to = parse_advance(args.advance_to)
     sent = appends = 0
     upper: Any = None
     with contextlib.ExitStack() as stack:
-        stream: IO[str] = (
-            sys.stdin if args.input == "-" else stack.enter_context(open(args.input, encoding="utf-8", newline=""))
-        )
+        stream = open_input(args.input, stack)
+        current = Shard.open(s.store(), args.collection_id).refresh().upper
+        try:  # 1. check everything; nothing is sent yet
+            checked = check_input(read_numbered(args, stream, schema), codec, current,
+                                  advance=(advance, advance_to),
+                                  what=f"the upper of collection {args.collection_id!r} (or a progress line)")
+        except (EncodeError, ContractViolationError) as e:
+            raise type(e)(f"{e}; nothing was appended to {args.collection_id!r}", **e.fields) from None
+        stream.seek(0)
         session = stack.enter_context(ControllerSession(args))
-        bar = stack.enter_context(ProgressBar(f"append {args.collection_id}", unit="updates"))
-        pending: list[tuple[Any, int, int]] = []
+        bar = stack.enter_context(ProgressBar(f"append {args.collection_id}", checked.updates, unit="updates"))
+        pending: list[tuple[bytes, int, int]] = []
 
         def flush(new_upper: int | None) -> None:
             nonlocal sent, appends, upper
             for chunk, up in chunk_updates(pending, new_upper, args.chunk_rows):
                 body = {
                     "collection_id": args.collection_id,
-                    "updates": [{"row": codec.encode(r), "time": t, "diff": d} for r, t, d in chunk],
+                    "updates": [{"row": r, "time": t, "diff": d} for r, t, d in chunk],
                     "expected_upper": upper,
                     "new_upper": up,
                 }
@@ -155,9 +198,10 @@ def _append(args: argparse.Namespace) -> int:
                 bar.update(len(chunk))
             pending.clear()
 
-        for kind, payload in read_input(args, stream, json.dumps(codec.schema)):
+        for n, kind, payload in read_numbered(args, stream, schema):  # 2. send, chunk by chunk
             if kind == "update":
-                pending.append(payload)
+                row, t, d = payload
+                pending.append((encode_row(codec, row, n), t, d))
             else:
                 flush(payload)
         if advance:
@@ -172,15 +216,20 @@ def _append(args: argparse.Namespace) -> int:
 # peek
 # ==================================================================================================
 def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | None = None,
-               limit: int | None = None, max_inline_bytes: int | None = None) -> tuple[int, pa.Table]:
-    """Send a Peek and return ``(as_of, table)``: the row columns and ``count``."""
+               limit: int | None = None, max_inline_bytes: int | None = None) -> tuple[int, pa.Table, int]:
+    """Send a Peek and return ``(as_of, table, total)``: the row columns and ``count``, sorted
+    by row (so ``limit`` always keeps the same rows), and how many rows there are in all.
+
+    The controller's own ``limit`` keeps whichever rows its snapshot lists first, so the CLI
+    asks for all of them and applies the limit itself after sorting."""
     import pyarrow.parquet as pq
 
     from shared.avro_arrow import rows_to_arrow
+    from shared.io.client import _sorted_by_row
 
     if limit is not None and limit < 0:
         raise InvalidUsageError(f"expected --limit >= 0, found {limit}")
-    r = session.call("Peek", {"collection_id": collection_id, "as_of": as_of, "limit": limit,
+    r = session.call("Peek", {"collection_id": collection_id, "as_of": as_of, "limit": None,
                               "max_inline_bytes": max_inline_bytes})
     codec = row_codec(session.settings, collection_id)
     body = r["body"][1]
@@ -193,7 +242,11 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
         data = _download(session.settings, res["bucket"], res["key"])
         table = pq.read_table(io.BytesIO(data))
         table = table.rename_columns(["count" if c == "_diff" else c for c in table.column_names])
-    return int(body["as_of"]), table
+    table = _sorted_by_row(table, [f["name"] for f in codec.schema.get("fields", [])])
+    total = table.num_rows
+    if limit is not None:
+        table = table.slice(0, limit)
+    return int(body["as_of"]), table, total
 
 
 def _download(s: Any, bucket: str, key: str) -> bytes:
@@ -253,7 +306,7 @@ def _peek(args: argparse.Namespace) -> int:
     if args.output == "parquet" and not args.file:
         raise InvalidUsageError("expected --file with --output parquet, found none")
     with ControllerSession(args) as session:
-        as_of, table = peek_table(session, args.collection_id, as_of=args.as_of, limit=args.limit,
+        as_of, table, total = peek_table(session, args.collection_id, as_of=args.as_of, limit=args.limit,
                                   max_inline_bytes=args.max_inline_bytes)
     if args.output == "parquet":
         pq.write_table(table, args.file)
@@ -269,7 +322,8 @@ def _peek(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(text.getvalue())
             sys.stdout.flush()
-    print(f"{table.num_rows} rows of {args.collection_id} as of {as_of}"
+    shown = f"{table.num_rows} rows" if table.num_rows == total else f"{table.num_rows} of {total} rows"
+    print(f"{shown} of {args.collection_id} as of {as_of}"
           + (f" written to {args.file}" if args.file else ""), file=sys.stderr)
     return 0
 
@@ -284,7 +338,10 @@ def _tail(args: argparse.Namespace) -> int:
     from shared.io.kafka import OffsetProbe, new_consumer
     from shared.io.kafka_admin import ensure_topic
 
+    from shardsink.cli.util import check_brokers
+
     s = settings(args)
+    check_brokers(s.kafka.bootstrap)
     fresh = args.topic is None
     topic = args.topic or f"shardsink-tail-{args.collection_id}-{uuid.uuid4().hex[:12]}"
     ensure_topic(s.kafka, topic, 1)
@@ -295,7 +352,7 @@ def _tail(args: argparse.Namespace) -> int:
     consumer.assign([TopicPartition(topic, 0, start)])
     session = ControllerSession(args)
     sid: str | None = None
-    done = acked = False
+    done = acked = cancelled = False
     try:
         sid = session.send("Subscribe", {
             "collection_id": args.collection_id, "output_topic": topic, "as_of": args.as_of,
@@ -325,12 +382,14 @@ def _tail(args: argparse.Namespace) -> int:
             out.flush()
     except KeyboardInterrupt:
         if sid is not None:
-            _cancel(session, sid)
+            cancelled = _cancel(session, sid)
         raise
     finally:
         consumer.close()
         session.close()
-        if fresh and (done or not acked):  # never while the controller may still write to it
+        # The fresh topic is deleted once the controller no longer writes to it: the
+        # subscribe ended, was cancelled, or was never accepted.
+        if fresh and (done or cancelled or not acked):
             _delete_topic(s.kafka, topic)
     return 0
 
@@ -341,24 +400,30 @@ def _json_default(v: Any) -> Any:
     return str(v)
 
 
-def _cancel(session: ControllerSession, sid: str) -> None:
-    """Cancel a subscribe (best effort: a second Ctrl-C or a silent controller gives up)."""
+def _cancel(session: ControllerSession, sid: str) -> bool:
+    """Cancel a subscribe (best effort: a second Ctrl-C or a silent controller gives up);
+    whether the controller acknowledged it."""
     try:
         session.timeout_s = min(session.timeout_s, 10.0)
         session.call("CancelSubscribe", {"subscribe_command_id": sid})
         print(f"cancelled subscribe {sid}", file=sys.stderr)
+        return True
     except BaseException as e:  # noqa: BLE001 - already interrupted: report, never mask
         print(f"error: could not cancel subscribe {sid}: {e}", file=sys.stderr)
+        return False
 
 
 def _delete_topic(kafka: Any, topic: str) -> None:
+    """Delete the tail's own output topic; a failure is one warning line, never an error."""
     try:
         from shared.io.kafka_admin import admin_client
 
-        futures = admin_client(kafka).delete_topics([topic], operation_timeout=10, request_timeout=10)
+        admin = admin_client(kafka)  # held until the answer: a collected client fails its futures
+        futures = admin.delete_topics([topic], operation_timeout=10, request_timeout=10)
         futures[topic].result(timeout=10)
-    except Exception:  # noqa: BLE001 - a left-over output topic is harmless
-        pass
+        del admin
+    except Exception as e:  # noqa: BLE001 - the output was printed: report, do not fail
+        print(f"warning: could not delete the output topic {topic!r}: {' '.join(str(e).split())}", file=sys.stderr)
 
 
 # ==================================================================================================
@@ -429,7 +494,9 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
     from shared.errors import ShardsinkError
     from shared.shard import Shard
 
-    state = s.catalog().state()
+    from shardsink.cli.common import read_catalog
+
+    state = read_catalog(s).state()
     out = []
     cols = state.live_collections()
     with ProgressBar("status", len(cols), unit="collections") as bar:

@@ -12,6 +12,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from shared.errors import ShardsinkError
 
@@ -24,8 +25,15 @@ _MODULES: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: InvalidUsageError: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardsink",
         description="Keep a changing collection as versioned, self-correcting shards on S3.",
     )
@@ -43,19 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, one line already printed)
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        from shardsink.cli.util import quiet_logging
+
+        quiet_logging()
         return int(func(args) or 0)
     except ShardsinkError as e:
-        from shared.errors import CommandError
+        from shared.errors import kind_of
 
-        # A controller's typed answer prints its kind (IdentifierMissing, ReadBeforeSince...).
-        name = str(getattr(e, "kind", "")) if isinstance(e, CommandError) else type(e).__name__
-        print(f"error: {name or type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        # One vocabulary (shared.errors.ERROR_KINDS): a controller's answer and the same
+        # failure found by the CLI itself print the same kind.
+        print(f"error: {kind_of(e)}: {_one_line(e)}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as e:
-        print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        print(f"error: InvalidUsageError: expected to use{where}, found {(e.strerror or str(e)).lower()}",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: InvalidUsageError: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

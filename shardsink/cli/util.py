@@ -25,6 +25,47 @@ def load_schema(path: str) -> dict[str, Any]:
     return schema
 
 
+def check_brokers(bootstrap: str, timeout_s: float = 3.0) -> None:
+    """One clear error, at once, when none of the bootstrap servers accepts a connection
+    (instead of librdkafka retrying for its whole timeout)."""
+    import socket
+
+    from shared.errors import KafkaUnavailableError
+
+    last = "no address given"
+    for server in [b.strip() for b in bootstrap.split(",") if b.strip()]:
+        server = server.split("://", 1)[-1]
+        host, _, port = server.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=timeout_s):
+                return
+        except (OSError, ValueError) as e:
+            last = (getattr(e, "strerror", None) or str(e) or type(e).__name__).lower()
+    raise KafkaUnavailableError(
+        f"expected a Kafka broker at {bootstrap or '(none)'}, found none reachable ({last}); "
+        "check --bootstrap or SHARDSINK_KAFKA_BOOTSTRAP",
+        bootstrap=bootstrap,
+    )
+
+
+def quiet_logging() -> None:
+    """The CLI's logging: ``warning: ...`` lines on stderr (level from SHARDSINK_LOG_LEVEL,
+    default WARNING), with librdkafka's lines routed through it (``shardsink.kafka``)."""
+    import logging
+    import os
+
+    root = logging.getLogger("shardsink")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(os.environ.get("SHARDSINK_LOG_LEVEL", "WARNING").upper())
+        root.propagate = False
+    from shared.io.kafka import route_client_logs
+
+    route_client_logs(logging.getLogger("shardsink.kafka"))
+
+
 class ProgressBar:
     """A tiny progress bar on stderr (only when it is a terminal, unless ``force``).
 

@@ -47,7 +47,7 @@ from shared.frontier import Frontier
 from shared.io.kafka import KafkaSettings, translate
 from shared.io.kafka_admin import topic_partition_count
 
-__all__ = ["DesiredProducer"]
+__all__ = ["DesiredProducer", "topic_progress"]
 
 
 class DesiredProducer:
@@ -228,6 +228,72 @@ class DesiredProducer:
             except KafkaException as e:
                 raise translate(e, f"producing to topic {self.topic!r}") from e
         self._producer.poll(0)
+
+
+def topic_progress(
+    settings: KafkaSettings, topic: str, *, window: int = 1000, timeout_s: float = 30.0
+) -> tuple[int, Frontier | None] | None:
+    """What a desired topic has promised so far: ``(partitions, frontier)``, where
+    ``frontier`` is the furthest progress statement found in any partition (``None``: none
+    yet), or ``None`` when the topic does not exist.
+
+    Each partition is read backwards from its end, in windows of ``window`` messages that
+    double, until its last progress statement (or its start) is reached: no partition is read
+    whole when progress is sent regularly. A producer that starts from this frontier never
+    sends an update the sink would have to refuse as late (``produce`` does).
+    """
+    from confluent_kafka import TopicPartition
+
+    from shared.desired import DesiredProgress, decode_desired
+    from shared.errors import DecodeError, UnknownTopicError
+    from shared.io.kafka import OffsetProbe, new_consumer
+
+    with OffsetProbe(settings, timeout_s) as probe:
+        try:
+            starts = probe.start_offsets(topic)
+        except UnknownTopicError:
+            return None
+        ends = probe.end_offsets(topic)
+    furthest: Frontier | None = None
+    consumer = new_consumer(settings, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"})
+    deadline = _monotonic() + timeout_s
+    try:
+        for p, end in sorted(ends.items()):
+            hi, size, last = end, max(1, window), None
+            while hi > starts.get(p, 0) and last is None:
+                lo = max(starts.get(p, 0), hi - size)
+                consumer.assign([TopicPartition(topic, p, lo)])
+                pos = lo
+                while pos < hi:
+                    if _monotonic() > deadline:
+                        raise KafkaTimeoutError(
+                            f"expected to read partition {p} of {topic!r} offsets [{lo}, {hi}) within "
+                            f"{timeout_s:g}s, found it stopped at offset {pos}",
+                            topic=topic,
+                            partition=p,
+                        )
+                    for m in consumer.consume(num_messages=1000, timeout=0.1):
+                        if m.error() is not None or (m.offset() or 0) >= hi:
+                            continue
+                        pos = max(pos, int(m.offset() or 0) + 1)
+                        try:
+                            d = decode_desired(m.value() or b"")
+                        except DecodeError:
+                            continue
+                        if isinstance(d, DesiredProgress):
+                            last = d.frontier  # offsets come in order: the last one wins
+                hi, size = lo, size * 2
+            if last is not None:
+                furthest = last if furthest is None else furthest.join(last)
+    finally:
+        consumer.close()
+    return len(ends), furthest
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()
 
 
 def _show(f: Frontier) -> str:

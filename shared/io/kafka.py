@@ -49,6 +49,7 @@ reused; only partitions whose watermark moved are fetched, all in one ``assign()
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -78,6 +79,31 @@ _ENV_OPTION_PREFIX = "OPTION_"
 
 #: librdkafka options that keep shutdown quiet (Tansu closes idle connections).
 _QUIET = {"log.connection.close": "false"}
+
+#: Where librdkafka's log lines go (None: librdkafka prints them to stderr itself). The CLI
+#: routes them through ``logging`` (see :func:`route_client_logs`).
+_CLIENT_LOGGER: Any = None
+
+
+class _ClientLog:
+    """librdkafka's log callback as ``logging``: its connection failures (``FAIL``, retried by
+    librdkafka on its own) at DEBUG, everything else at its own level."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        text = msg % args if args else msg
+        if "|FAIL|" in text or " FAIL " in text or "Connect to" in text or "Connection refused" in text:
+            level = logging.DEBUG
+        self.logger.log(level, text)
+
+
+def route_client_logs(logger: logging.Logger | None) -> None:
+    """Send the log lines of every Kafka client created from now on to ``logger`` (None:
+    back to librdkafka's stderr)."""
+    global _CLIENT_LOGGER
+    _CLIENT_LOGGER = None if logger is None else _ClientLog(logger)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +186,8 @@ class KafkaSettings:
         """A confluent-kafka client config: defaults, then ``extra``, then the pass-through
         options (so that a user's option wins over our defaults)."""
         conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, **_QUIET}
+        if _CLIENT_LOGGER is not None:
+            conf["logger"] = _CLIENT_LOGGER
         conf.update(extra)
         conf.update(dict(self.options))
         return conf

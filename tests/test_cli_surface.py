@@ -1,0 +1,411 @@
+"""The user's surface of the ``shardsink`` CLI, tried as a new user would (issue 15), through
+the entry point that ``pyproject.toml`` declares, against the embedded stack with a
+controller running in this process: all-or-nothing ``produce``/``append``, late times
+refused, busy ports, read-only commands that create nothing, ``tail`` cleaning up its topic,
+one error vocabulary, ``--help``, output that round-trips, and a quiet terminal when the
+broker is unreachable."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import TopicPartition
+
+from services.controller.client import ControllerClient
+from services.controller.service import Controller, ControllerSettings
+from shared.desired import DesiredProgress, DesiredUpdate, decode_desired
+from shared.embedded import EmbeddedStack
+from shared.io.kafka import new_consumer
+from tests.controller_fixture import SCHEMA, client_for, controller_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _entry_point() -> tuple[str, str]:
+    """``(module, function)`` of the ``shardsink`` script in pyproject.toml."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        spec = tomllib.load(f)["project"]["scripts"]["shardsink"]
+    module, _, func = spec.partition(":")
+    return module, func
+
+
+def _main() -> Callable[[list[str]], int]:
+    module, func = _entry_point()
+    fn: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return fn
+
+
+@pytest.fixture(scope="module")
+def ctl(stack: EmbeddedStack) -> Iterator[tuple[Controller, ControllerClient, ControllerSettings]]:
+    cs = controller_settings(stack)
+    controller = Controller(cs).start()
+    client = client_for(cs)
+    yield controller, client, cs
+    controller.stop()
+    client.close()
+    assert controller.error is None, controller.error
+
+
+@pytest.fixture
+def env(stack: EmbeddedStack, ctl: Any, monkeypatch: pytest.MonkeyPatch) -> ControllerSettings:
+    """The environment a user's shell would have: the stack, the S3 prefix, the topics."""
+    _, _, cs = ctl
+    for k, v in stack.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SHARDSINK_S3_PREFIX", cs.service.s3.prefix)
+    monkeypatch.setenv("SHARDSINK_TOPIC_COMMANDS", cs.commands_topic)
+    monkeypatch.setenv("SHARDSINK_TOPIC_RESPONSES", cs.responses_topic)
+    return cs
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = _main()(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_process(argv: list[str], env: dict[str, str], timeout_s: float = 120, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """The CLI in a process of its own (its whole stderr, librdkafka's included)."""
+    module, func = _entry_point()
+    code = f"import sys; from {module} import {func}; sys.exit({func}())"
+    return subprocess.run([sys.executable, "-c", code, *argv], env={**os.environ, **env}, input=stdin,
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def _schema_file(tmp_path: Path, schema: dict[str, Any] = SCHEMA) -> str:
+    p = tmp_path / f"{schema['name']}.avsc"
+    p.write_text(json.dumps(schema))
+    return str(p)
+
+
+def _lines(path: Path, *objs: Any) -> str:
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return str(path)
+
+
+def _topic_messages(stack: EmbeddedStack, topic: str, partitions: int, expected: int, settle_s: float = 1.0) -> list[Any]:
+    """Every desired message on the topic (waits for ``expected``, then ``settle_s`` more for extras)."""
+    from services.common import ServiceSettings
+
+    c = new_consumer(ServiceSettings.from_env_and_args(None, stack.env()).kafka, **{"auto.offset.reset": "earliest"})
+    c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    out: list[Any] = []
+    deadline = time.monotonic() + 30
+    settled: float | None = None
+    try:
+        while time.monotonic() < deadline:
+            for m in c.consume(num_messages=100, timeout=0.1):
+                if m.error() is None:
+                    out.append(decode_desired(m.value()))
+            if len(out) >= expected:
+                settled = settled or time.monotonic()
+                if time.monotonic() - settled >= settle_s:
+                    break
+    finally:
+        c.close()
+    return out
+
+
+def _one_error(err: str, prefix: str) -> None:
+    assert err.count("\n") == 1 and err.startswith(prefix), err
+
+
+# ==================================================================================================
+# 1, 2: produce is all or nothing, and refuses times below the progress the topic has seen
+# ==================================================================================================
+def test_produce_with_a_bad_line_sends_nothing_and_says_so(
+    env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    schema = _schema_file(tmp_path)
+    topic = f"surface-produce-{uuid.uuid4().hex[:8]}"
+    bad_json = _lines(tmp_path / "bad.jsonl", {"row": {"k": 1, "v": "a"}, "time": 0}, {"row": {"k": 2, "v": "b"}, "time": 0},
+                      '{"row": {"k": 3, "v": "c"}, "time": 1', {"progress": 2})
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input", bad_json, "--partitions", "2")
+    assert (code, out) == (2, "")
+    _one_error(err, "error: EncodeError: expected a JSON object on line 3, found invalid JSON")
+    assert err.endswith(f"; nothing was produced to {topic!r}\n"), err
+    # A failed produce leaves nothing behind: not even the topic it would have created.
+    from shared.io.desired_producer import topic_progress
+
+    assert topic_progress(env.service.kafka, topic) is None
+
+    # A row that does not match the schema: its line number and its field, nothing sent.
+    good = [{"row": {"k": 1, "v": "a"}, "time": 0}, {"row": {"k": 2, "v": "b"}, "time": 1}, {"progress": 2}]
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "2",
+                         "--input", _lines(tmp_path / "schema.jsonl", *good[:2], {"row": {"k": "x", "v": "c"}, "time": 1}))
+    assert code == 2
+    _one_error(err, "error: EncodeError: expected a row matching the schema on line 3, found ")
+    assert "'x'" in err or "k" in err, err
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "2",
+                         "--input", _lines(tmp_path / "field.jsonl", {"row": {"k": 1, "v": "a", "colour": "red"}, "time": 1}))
+    assert code == 2
+    _one_error(err, "error: EncodeError: expected fields among ['k', 'v'] on line 1, found ['colour']")
+    assert topic_progress(env.service.kafka, topic) is None
+
+    # The corrected file lands once; the bad one again changes nothing.
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "2",
+                         "--input", _lines(tmp_path / "good.jsonl", *good))
+    assert code == 0, err
+    assert json.loads(out) == {"topic": topic, "partitions": 2, "updates": 2, "progress": 2, "frontier": 2}
+    bad_late = _lines(tmp_path / "bad2.jsonl", {"row": {"k": 5, "v": "e"}, "time": 3}, "not json")
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input", bad_late)
+    assert code == 2 and "line 2" in err and "nothing was produced" in err, err
+    msgs = _topic_messages(stack, topic, 2, expected=4)
+    assert sorted((m.time, m.diff) for m in msgs if isinstance(m, DesiredUpdate)) == [(0, 1), (1, 1)]
+    assert sorted((m.partition, m.frontier.time) for m in msgs if isinstance(m, DesiredProgress)) == [(0, 2), (1, 2)]
+
+    # stdin is read twice too (spooled): a bad last line sends nothing.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps({"row": {"k": 9, "v": "z"}, "time": 5}) + "\n{}\n"))
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema)
+    assert code == 2 and "on line 2" in err, err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps({"row": {"k": 9, "v": "z"}, "time": 5}) + "\n"))
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--advance-to", "6")
+    assert code == 0 and json.loads(out)["updates"] == 1, err
+    msgs = _topic_messages(stack, topic, 2, expected=7)
+    assert sorted((m.time, m.diff) for m in msgs if isinstance(m, DesiredUpdate)) == [(0, 1), (1, 1), (5, 1)]
+
+
+def test_produce_refuses_times_below_the_progress_of_the_topic(
+    env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schema = _schema_file(tmp_path)
+    topic = f"surface-late-{uuid.uuid4().hex[:8]}"
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "3",
+                         "--input", _lines(tmp_path / "a.jsonl", {"row": {"k": 1, "v": "a"}, "time": 1}, {"progress": 2}))
+    assert code == 0, err
+    # Another run (another process: what it has seen is on the topic) with a time below 2.
+    late = _lines(tmp_path / "late.jsonl", {"row": {"k": 2, "v": "b"}, "time": 3}, {"row": {"k": 3, "v": "c"}, "time": 1})
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input", late)
+    assert (code, out) == (2, "")
+    assert err == (f"error: ContractViolationError: expected update times at or beyond the progress of topic "
+                   f"{topic!r} 2, found time 1 on line 2; nothing was produced to {topic!r}\n")
+    # Progress going backwards, in the input or by --advance-to.
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema,
+                         "--input", _lines(tmp_path / "back.jsonl", {"progress": 1}))
+    assert code == 2 and "found 1 on line 1" in err and err.count("\n") == 1, err
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema,
+                         "--input", _lines(tmp_path / "empty.jsonl"), "--advance-to", "1")
+    assert code == 2 and err.startswith("error: ContractViolationError: expected --advance-to at or beyond"), err
+    # A time below a progress line of the same input.
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input",
+                         _lines(tmp_path / "self.jsonl", {"progress": 5}, {"row": {"k": 4, "v": "d"}, "time": 4}))
+    assert code == 2 and "progress of topic" in err and "5, found time 4 on line 2" in err, err
+    msgs = _topic_messages(stack, topic, 3, expected=4)
+    assert [(m.time, m.diff) for m in msgs if isinstance(m, DesiredUpdate)] == [(1, 1)]
+    assert sorted(m.frontier.time for m in msgs if isinstance(m, DesiredProgress)) == [2, 2, 2]
+    # At the progress itself, and after closing: closed refuses every time.
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--advance-to", "closed",
+                         "--input", _lines(tmp_path / "at.jsonl", {"row": {"k": 2, "v": "b"}, "time": 2}))
+    assert code == 0 and json.loads(out)["frontier"] is None, err
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input",
+                         _lines(tmp_path / "after.jsonl", {"row": {"k": 2, "v": "b"}, "time": 99}))
+    assert code == 2 and "progress of topic" in err and "closed, found time 99" in err, err
+
+
+def test_produce_to_a_missing_topic_and_from_a_missing_file_is_one_line(
+    env: ControllerSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schema = _schema_file(tmp_path)
+    topic = f"surface-missing-{uuid.uuid4().hex[:8]}"
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema,
+                         "--input", _lines(tmp_path / "a.jsonl", {"progress": 1}))
+    assert code == 2
+    assert err == (f"error: UnknownTopicError: expected topic {topic!r} to exist, found none "
+                   f"(give --partitions N to create it)\n")
+    missing = str(tmp_path / "nope.jsonl")
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input", missing, "--partitions", "1")
+    assert err == f"error: InvalidUsageError: expected a readable input file {missing!r}, found no such file or directory\n"
+    assert code == 2
+
+
+# ==================================================================================================
+# 5: make up on busy ports
+# ==================================================================================================
+def test_up_refuses_a_busy_port_in_one_line_and_prints_no_environment(stack: EmbeddedStack) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = run_process(["up", "--kafka-port", str(port), "--s3-port", "0"], {}, timeout_s=60)
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr == (f"error: EmbeddedStackError: expected port {port} (Kafka) free on 127.0.0.1, found it in "
+                        f"use; choose another with --kafka-port N (make up ARGS='--kafka-port N')\n")
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(VPY) -m shared.embedded $(ARGS)" in makefile
+    assert "make up ARGS='--kafka-port" in (ROOT / "README.md").read_text()
+
+
+# ==================================================================================================
+# 6: reading commands create nothing; a missing catalog, bucket or endpoint is one line
+# ==================================================================================================
+def test_reading_commands_never_create_a_catalog_or_a_bucket(
+    env: ControllerSettings, s3_client: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = f"typo-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("SHARDSINK_S3_PREFIX", prefix)
+    for argv in (["status"], ["collection", "list"], ["sink", "list"], ["peek", "orders"]):
+        code, out, err = run(capsys, *argv)
+        assert (code, out) == (2, ""), (argv, err)
+        if argv[0] == "peek":  # through the controller: it does not know the collection
+            _one_error(err, "error: UnknownIdError: ")
+            continue
+        assert err == (f"error: CatalogNotFoundError: expected a catalog at s3://shardsink/{prefix}/catalog/, "
+                       "found none (nothing was created; check --bucket and --s3-prefix)\n"), (argv, err)
+    assert s3_client.list_objects_v2(Bucket="shardsink", Prefix=prefix).get("KeyCount", 0) == 0
+    # A mistyped bucket: one line, and the bucket is not created.
+    code, out, err = run(capsys, "status", "--bucket", "no-such-bucket")
+    assert (code, out) == (2, "")
+    assert err == f"error: ObjectStoreError: expected bucket 'no-such-bucket' at {os.environ['SHARDSINK_S3_ENDPOINT']}, found no such bucket\n"
+    assert "no-such-bucket" not in [b["Name"] for b in s3_client.list_buckets()["Buckets"]]
+    # An endpoint nobody serves: one line naming it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    code, out, err = run(capsys, "collection", "list", "--s3-endpoint", dead)
+    assert code == 2
+    assert err.startswith(f"error: ObjectStoreError: expected bucket 'shardsink' at {dead}, found it unreachable"), err
+    assert err.count("\n") == 1
+
+
+# ==================================================================================================
+# 7, 10, 12: tail cleans up its topic; one vocabulary; peek order and timestamps round-trip
+# ==================================================================================================
+TS_SCHEMA = {"type": "record", "name": "Stamped", "fields": [
+    {"name": "k", "type": "long"}, {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    {"name": "price", "type": ["null", {"type": "bytes", "logicalType": "decimal", "precision": 9, "scale": 2}],
+     "default": None},
+]}
+
+
+def _tail_topics(stack: EmbeddedStack, collection_id: str) -> list[str]:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap_servers})
+    return [t for t in admin.list_topics(timeout=10).topics if t.startswith(f"shardsink-tail-{collection_id}-")]
+
+
+def test_tail_deletes_its_topic_and_printed_values_produce_back(
+    env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cid = f"stamped{uuid.uuid4().hex[:6]}"
+    schema = _schema_file(tmp_path, TS_SCHEMA)
+    assert run(capsys, "collection", "create", cid, "--schema", schema, "--via", "controller")[0] == 0
+    rows = [{"k": 2, "at": "2024-05-01 12:00:00+00:00", "price": "12.50"}, {"k": 1, "at": "2024-05-01T12:00:01Z"},
+            {"k": 3, "at": "2024-05-01 12:00:02"}]
+    code, out, err = run(capsys, "append", cid, "--advance-to", "2",
+                         "--input", _lines(tmp_path / "a.jsonl", *[{"row": r, "time": 0} for r in rows]))
+    assert code == 0, err
+    # peek: row order, so --limit keeps the same rows, and says how many there are.
+    code, out, err = run(capsys, "peek", cid, "--limit", "2", "--output", "csv")
+    assert code == 0, err
+    assert [line.split(",")[0] for line in out.splitlines()] == ["k", "1", "2"]
+    assert err == f"2 of 3 rows of {cid} as of 1\n"
+    # tail until --up-to: its fresh topic is gone afterwards.
+    code, out, err = run(capsys, "tail", cid, "--as-of", "0", "--up-to", "1")
+    assert code == 0, err
+    printed = [json.loads(line.split("\t")[2]) for line in out.splitlines()]
+    assert sorted(r["k"] for r in printed) == [1, 2, 3]
+    assert _tail_topics(stack, cid) == []
+    # What tail printed is accepted by produce for the same schema, and means the same values.
+    topic = f"surface-ts-{uuid.uuid4().hex[:8]}"
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "1",
+                         "--input", _lines(tmp_path / "back.jsonl", *[{"row": r, "time": 5} for r in printed]))
+    assert code == 0, err
+    from shared.codec import RowCodec
+
+    codec = RowCodec(TS_SCHEMA)
+    got = sorted((codec.decode(m.row)["k"], codec.decode(m.row)["at"], codec.decode(m.row)["price"])
+                 for m in _topic_messages(stack, topic, 1, expected=3) if isinstance(m, DesiredUpdate))
+    import datetime as dt
+    from decimal import Decimal
+
+    base = dt.datetime(2024, 5, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
+    assert got == [(1, base + dt.timedelta(seconds=1), None), (2, base, Decimal("12.50")),
+                   (3, base + dt.timedelta(seconds=2), None)]
+    # A timestamp that does not parse: the line, nothing sent.
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input",
+                         _lines(tmp_path / "badts.jsonl", {"row": {"k": 9, "at": "yesterday"}, "time": 6}))
+    assert code == 2 and "on line 1" in err and "nothing was produced" in err and err.count("\n") == 1, err
+    # The same failure through either --via prints the same kind.
+    for via in ("controller", "catalog"):
+        code, out, err = run(capsys, "sink", "drop", f"nope-{via}", "--via", via)
+        assert code == 2
+        _one_error(err, "error: UnknownIdError: ")
+    # A failed tail (unknown collection) leaves no topic either.
+    code, out, err = run(capsys, "tail", f"{cid}x", "--as-of", "0")
+    assert code == 2 and err.startswith("error: UnknownIdError: ") and err.count("\n") == 1, err
+    assert _tail_topics(stack, f"{cid}x") == []
+
+
+# ==================================================================================================
+# 11: --help
+# ==================================================================================================
+def _commands(parser: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+    if prefix:
+        yield prefix, parser
+
+
+def test_help_is_per_command_with_help_on_every_flag_and_client_flags_only(capsys: pytest.CaptureFixture[str]) -> None:
+    module, _ = _entry_point()
+    parser = importlib.import_module(module).build_parser()
+    commands = dict(_commands(parser))
+    assert {("produce",), ("append",), ("peek",), ("tail",), ("status",), ("up",), ("collection", "create"),
+            ("sink", "list")} <= set(commands)
+    descriptions = {}
+    for name, sub in commands.items():
+        text = sub.format_help()
+        for flag in ("--master", "--trigger-ms", "--checkpoint-dir", "--grace-ms", "--sink ", "--catalog-poll-ms",
+                     "--descs-topic"):
+            assert flag not in text, (name, flag)
+        assert "``" not in text and "::" not in text and ":class:" not in text, name
+        for action in sub._actions:
+            assert action.help and action.help.strip(), (name, action.dest)
+        if sub.description:
+            descriptions[name] = sub.description
+    # Each leaf command has its own description.
+    leaves = [n for n, s in commands.items() if not any(isinstance(a, __import__("argparse")._SubParsersAction)
+                                                        for a in s._actions)]
+    assert len({descriptions.get(n) for n in leaves}) == len(leaves), descriptions
+    # A bad value is one line, not the usage.
+    code, out, err = run(capsys, "peek", "orders", "--limit", "many")
+    assert (code, out) == (2, "")
+    assert err == "error: InvalidUsageError: argument --limit: invalid int value: 'many' (see shardsink peek --help)\n"
+
+
+# ==================================================================================================
+# 9: an unreachable broker is one line naming the address
+# ==================================================================================================
+def test_an_unreachable_broker_is_one_line_naming_the_address(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    schema = _schema_file(tmp_path)
+    data = _lines(tmp_path / "a.jsonl", {"row": {"k": 1, "v": "a"}, "time": 0}, {"progress": 1})
+    env = {"SHARDSINK_KAFKA_BOOTSTRAP": address}
+    for argv in (["produce", "--topic", "t", "--schema", schema, "--input", data], ["peek", "orders"],
+                 ["tail", "orders"]):
+        p = run_process(argv, env, timeout_s=120)
+        assert (p.returncode, p.stdout) == (2, ""), (argv, p.stderr)
+        assert p.stderr == (f"error: KafkaUnavailableError: expected a Kafka broker at {address}, found none "
+                            "reachable (connection refused); check --bootstrap or SHARDSINK_KAFKA_BOOTSTRAP\n"), argv
