@@ -41,6 +41,7 @@ from shared.errors import (
     DeterminateError,
     EncodeError,
     FormatError,
+    HistoryUnprovenError,
     IndeterminateError,
     InvalidUsageError,
     KafkaAdapterError,
@@ -66,6 +67,7 @@ from shared.errors import (
     StagedBatchExpiredError,
     StorageError,
     UnknownTopicError,
+    UnknownIdError,
     UpperMismatchError,
 )
 
@@ -91,6 +93,7 @@ __all__ = [
     "EncodeError",
     "FencedError",
     "FormatError",
+    "HistoryUnprovenError",
     "IdReuseError",
     "IndeterminateError",
     "InvalidUsageError",
@@ -117,6 +120,7 @@ __all__ = [
     "StagedBatchExpiredError",
     "StorageError",
     "UnknownCollectionError",
+    "UnknownIdError",
     "UnknownSinkError",
     "UnknownTopicError",
     "UpperMismatchError",
