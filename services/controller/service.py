@@ -794,7 +794,7 @@ class Controller:
         has_errors = table.num_rows > 0 and table[ERROR].null_count != table.num_rows
         result: tuple[str, dict[str, Any]] | None = None
         if not has_errors and table.nbytes <= 4 * peek.max_inline + 1024:
-            rows = arrow_to_rows(table.select(row_cols))
+            rows = arrow_to_rows(table.select(row_cols), col.row_codec.schema)
             encoded = [col.row_codec.encode(r) for r in rows]
             size = sum(len(e) + 10 for e in encoded)
             if size <= peek.max_inline:
@@ -1188,7 +1188,7 @@ class Controller:
         if table.num_rows == 0:
             return []
         ok = table.filter(pc.is_null(table[ERROR]))  # error rows have no row to send
-        rows = arrow_to_rows(ok.select(col.shard.row_columns))
+        rows = arrow_to_rows(ok.select(col.shard.row_columns), col.row_codec.schema)
         diffs = ok[DIFF].to_pylist()
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
         return [(int(t), col.row_codec.encode(r), int(d)) for t, r, d in zip(times, rows, diffs, strict=True)]
