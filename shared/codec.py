@@ -524,9 +524,12 @@ class Codec:
         try:
             value = fastavro.schemaless_reader(fo, writer.parsed, writer.reader, **_READ_OPTIONS)
         except Exception as e:  # fastavro raises EOFError, ValueError, UnicodeDecodeError...
+            why = str(e)
+            if isinstance(e, IndexError):
+                why = "an enum symbol or union branch index beyond the schema's"
             raise DecodeError(
                 f"expected a body matching {self.subject!r}, found bytes that do not decode "
-                f"({type(e).__name__}: {e})",
+                f"({type(e).__name__}: {why})",
                 cause=type(e).__name__,
             ) from e
         end = fo.tell()
