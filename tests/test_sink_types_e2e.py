@@ -129,11 +129,16 @@ def nested_row(rng: random.Random, i: int) -> dict[str, Any]:
     }
 
 
+def _dec(unscaled: int, scale: int) -> Decimal:
+    """An exact decimal (``Decimal.scaleb`` would round to the context's 28 digits)."""
+    return Decimal(f"{unscaled}E-{scale}")
+
+
 def exact_row(rng: random.Random, i: int) -> dict[str, Any]:
     return {
         "id": i,
-        "amount": Decimal(rng.randrange(-(10**12) + 1, 10**12)).scaleb(-3),
-        "big": Decimal(rng.choice([10**45 - 1, -(10**45) + 1, rng.randrange(10**40)])).scaleb(-5),
+        "amount": _dec(rng.randrange(-(10**12) + 1, 10**12), 3),
+        "big": _dec(rng.choice([10**45 - 1, -(10**45) + 1, rng.randrange(10**40)]), 5),
         "u": uuid.UUID(int=rng.getrandbits(128)),
         "dur": rng.randbytes(12),
         "color": rng.choice(["RED", "GREEN", "BLUE"]),
@@ -300,7 +305,7 @@ def test_out_of_range_and_mistyped_values_land_in_the_error_collection_and_the_s
     producer = DesiredProducer(h.settings.kafka, topic, schema)
     work = TypedWorkload(
         producer,
-        lambda rng, i: {"id": i, "e": rng.choice("AB"), "t": dt.time(rng.randrange(24)), "dec": Decimal(rng.randrange(-9999, 10000)).scaleb(-2)},
+        lambda rng, i: {"id": i, "e": rng.choice("AB"), "t": dt.time(rng.randrange(24)), "dec": _dec(rng.randrange(-9999, 10000), 2)},
         seed=17,
     )
     work.step(n=15)
