@@ -59,9 +59,11 @@ def decode_partition(
     """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
 
     With ``row_schema_json`` (the collection's row schema), each update's row is also checked
-    against the schema and re-encoded with its current version (``RowCodec.upgrade``); a row
-    that does not decode becomes a ``bad`` record that keeps its time and diff, so the error
-    lands in the error collection at its time.
+    against the schema and re-encoded canonically with its current version
+    (``RowCodec.canonical``); a row that does not decode, or holds a value the collection
+    cannot hold (an ``int`` beyond 32 bits, an enum index out of range, a decimal beyond its
+    precision), becomes a ``bad`` record that keeps its time and diff and names its source
+    offset and the reason, so the error lands in the error collection at its time.
 
     With ``progress_only`` (the mint service), updates are dropped without being decoded: a
     message framed with the current desired schema whose union index byte (right after the
@@ -115,11 +117,10 @@ def decode_partition(
                             kind, row, tm, diff = KIND_UPDATE, msg.row, _signed(msg.time), msg.diff
                             if row_codec is not None:
                                 try:
-                                    row = row_codec.upgrade(msg.row)
-                                    # upgrade() passes bytes of the current version through
-                                    # unread: check the body too, or a good header over a bad
-                                    # body would fail every retry of the writer's micro-batch.
-                                    row_codec.decode(row)
+                                    # Decoded, checked for values the shard cannot hold (an
+                                    # int beyond 32 bits...) and re-encoded canonically: the
+                                    # same bytes the shard's read-back encodes to.
+                                    row = row_codec.canonical(msg.row)
                                 except DecodeError as e:
                                     kind, row = KIND_BAD, None
                                     err = f"row does not match the collection schema at {topic}/{part}@{off}: {e}"

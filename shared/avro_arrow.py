@@ -31,12 +31,28 @@ Avro                                          Arrow
 ``record``                                    ``struct``
 ============================================  ===========================================
 
+Every other logical type (``duration``, a ``uuid`` on ``fixed``) maps as its base type, which
+holds it exactly. Values in Python are what :class:`~shared.codec.RowCodec` decodes: ``date``,
+``time``, ``datetime`` (aware in UTC for ``timestamp-*``), ``Decimal``, ``uuid.UUID``, and the
+``int`` nanoseconds for ``timestamp-nanos``/``local-timestamp-nanos`` (a ``datetime`` cannot
+hold nanoseconds).
+
 A field is nullable in Arrow iff its Avro type is ``null`` or a union with ``null``; every
 other field is ``nullable=False`` and :func:`rows_to_arrow` rejects a null in it. A logical
-type on the wrong base type (or with invalid parameters) is ignored, as the Avro
-specification says: the field maps as its base type. Unions of two or more non-null types
-and recursive records have no Parquet representation and are rejected with
-:class:`~shared.errors.SchemaError`.
+type on the wrong base type is ignored, as the Avro specification says: the field maps as its
+base type.
+
+The mapping is an exact inverse: ``arrow_to_rows(rows_to_arrow(rows, s), s) == rows``, through
+Parquet too, for every schema :func:`parse_row_schema` accepts and every value the codec
+decodes (``tests/test_avro_arrow_types.py`` proves it over generated schemas). What it cannot
+map exactly is refused at ``collection create`` with a :class:`~shared.errors.SchemaError`
+naming the field: unions of two or more non-null types, recursive records, records without
+fields, ``fixed`` of size 0, the type ``null`` alone inside an array or a map (Parquet reads it
+back corrupted), and a ``decimal`` with invalid parameters (fastavro does not ignore those as
+the specification says: it reads the values as decimals the base type cannot hold). Values the
+Avro encoding carries but the Arrow columns cannot hold (an ``int`` outside 32 bits, a decimal
+with more digits than its precision, a time of day outside the day) are refused by the codec,
+per row: see :func:`row_normaliser` and :meth:`shared.codec.RowCodec.canonical`.
 
 The names ``_time``, ``_diff`` and ``_error`` are reserved for the shard's own columns and
 may not be top-level fields of a row schema.
@@ -49,6 +65,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from decimal import Decimal
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -63,6 +80,7 @@ __all__ = [
     "arrow_to_rows",
     "avro_to_arrow_schema",
     "parse_row_schema",
+    "row_normaliser",
     "rows_to_arrow",
 ]
 
@@ -220,9 +238,17 @@ class _Mapper:
         kind = avro.get("type")
         logical = avro.get("logicalType")
         if kind in _PRIMITIVES:
+            if kind == "bytes" and logical == "decimal":
+                return _decimal_or_refuse(avro, 76, where)
             return self.primitive(kind, logical, avro)
         if kind == "record" or kind == "error":
             name = avro["name"]
+            if not avro["fields"]:
+                raise SchemaError(
+                    f"expected a record with at least one field at {where}, found record "
+                    f"{name!r} with none (Parquet cannot store an empty struct)",
+                    where=where,
+                )
             self.named[name] = avro
             self.expanding.append(name)
             try:
@@ -240,9 +266,7 @@ class _Mapper:
             self.named[avro["name"]] = avro
             size = int(avro["size"])
             if logical == "decimal":
-                dec = _decimal_type(avro, max_precision=_fixed_max_precision(size))
-                if dec is not None:
-                    return dec
+                return _decimal_or_refuse(avro, _fixed_max_precision(size), where)
             return pa.binary(size)
         if kind == "array":
             t, nullable = self.field_type(avro["items"], f"{where}[]")
@@ -260,10 +284,6 @@ class _Mapper:
             return _INT_LOGICAL[logical]
         if kind == "long" and logical in _LONG_LOGICAL:
             return _LONG_LOGICAL[logical]
-        if kind == "bytes" and logical == "decimal":
-            dec = _decimal_type(avro, max_precision=76)
-            if dec is not None:
-                return dec
         return _PRIMITIVES[kind]
 
 
@@ -274,6 +294,25 @@ def _fixed_max_precision(size: int) -> int:
     import math
 
     return math.floor(math.log10(2 ** (8 * size - 1) - 1))
+
+
+def _decimal_or_refuse(avro: Mapping[str, Any], max_precision: int, where: str) -> pa.DataType:
+    """The Arrow decimal of a ``decimal`` logical type, or SchemaError naming the field.
+
+    The Avro specification says an invalid logical type is ignored, but fastavro does not
+    ignore an invalid decimal: it reads (or fails to read) such a value as a ``Decimal``, which
+    the base type's Arrow column cannot hold. Such a schema would be accepted and then stall
+    the sink, so it is refused."""
+    dec = _decimal_type(avro, max_precision=max_precision)
+    if dec is None:
+        bound = min(max_precision, 76)
+        raise SchemaError(
+            f"expected a decimal with an integer precision in 1..{bound} and a scale in "
+            f"0..precision at {where}, found precision {avro.get('precision')!r} and scale "
+            f"{avro.get('scale', 0)!r}",
+            where=where,
+        )
+    return dec
 
 
 def _decimal_type(avro: Mapping[str, Any], max_precision: int) -> pa.DataType | None:
@@ -302,42 +341,104 @@ def avro_to_arrow_schema(schema: AvroSchema) -> pa.Schema:
     if not isinstance(parsed, dict) or parsed.get("type") != "record":
         found = parsed.get("type") if isinstance(parsed, dict) else parsed
         raise SchemaError(f"expected an Avro record schema, found type {found!r}")
-    struct = _Mapper().data_type(parsed, parsed["name"])
+    where = str(parsed["name"]).rsplit(".", 1)[-1]
+    struct = _Mapper().data_type(parsed, where)
+    for f in struct:
+        _check_parquet_storable(f.type, f"{where}.{f.name}", repeated=False)
     return pa.schema([struct.field(i) for i in range(struct.num_fields)])
+
+
+def _check_parquet_storable(t: pa.DataType, where: str, repeated: bool) -> None:
+    """Refuse the Arrow types Parquet cannot store and read back exactly.
+
+    A ``fixed`` of size 0 has no Parquet type (FIXED_LEN_BYTE_ARRAY needs a length), and a
+    ``null``-only type inside an array or a map reads back as a corrupt column (pyarrow
+    26 loses the repeated nulls' count). Both would be accepted by ``collection create`` and
+    then stall the sink at its first write, so they are refused with the field's path."""
+    if pa.types.is_fixed_size_binary(t) and t.byte_width == 0:
+        raise SchemaError(
+            f"expected a fixed of at least 1 byte at {where}, found size 0 (no Parquet type)",
+            where=where,
+        )
+    if pa.types.is_null(t) and repeated:
+        raise SchemaError(
+            f"expected a type other than null alone inside an array or map at {where}, found "
+            "null (Parquet does not read repeated null columns back exactly)",
+            where=where,
+        )
+    if pa.types.is_struct(t):
+        for f in t:
+            _check_parquet_storable(f.type, f"{where}.{f.name}", repeated)
+    elif pa.types.is_map(t):
+        _check_parquet_storable(t.item_type, f"{where}{{}}", True)
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        _check_parquet_storable(t.value_type, f"{where}[]", True)
 
 
 # -- rows <-> Arrow ------------------------------------------------------------------------
 
 _Conv = Callable[[Any], Any]
 
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
 
-def _uuid_converter(avro: Any, named: dict[str, Any]) -> _Conv | None:
-    """A function making a value Arrow-ready (``uuid.UUID`` -> str), or None if none needed.
+#: What a compiled value walker does: make a row Arrow-ready, make an Arrow row what fastavro
+#: decodes, or check and canonicalise a row for the Avro codec.
+_Mode = str  # "to_arrow" | "to_avro" | "normalise"
 
-    fastavro decodes a ``uuid`` logical type as :class:`uuid.UUID`, which Arrow's string
-    conversion does not accept; nothing else needs converting.
+
+def _sorted_map(v: Mapping[str, Any], inner: _Conv | None) -> dict[str, Any]:
+    keys = sorted(v, key=lambda k: k.encode("utf-8") if isinstance(k, str) else str(k).encode())
+    if inner is None:
+        return {k: v[k] for k in keys}
+    return {k: inner(v[k]) for k in keys}
+
+
+def _walker(avro: Any, named: dict[str, Any], where: str, mode: _Mode) -> _Conv | None:
+    """A function applied to the value of ``avro`` at ``where``, or None where nothing is to do.
+
+    ``to_arrow``: uuid objects to their text, map keys sorted (Arrow keeps entry order, so the
+    shard's map entries are in canonical order too). ``to_avro``: uuid text to ``uuid.UUID``, as
+    fastavro decodes it. ``normalise``: map keys sorted, and every ``int`` checked to be in 32
+    bits and every decimal to fit its precision and scale (a ValueError naming the field
+    otherwise), since fastavro encodes and decodes such values but the collection's Arrow
+    columns cannot hold them.
     """
     if isinstance(avro, str):
         if avro in named:
-            return _uuid_converter(named[avro], named)
+            return _walker(named[avro], named, where, mode)
+        if avro == "int" and mode == "normalise":
+            return _int_checker(where)
         return None
     if isinstance(avro, list):
-        convs = [c for c in (_uuid_converter(b, named) for b in avro) if c is not None]
-        if not convs:
+        non_null = [b for b in avro if b != "null"]
+        if len(non_null) != 1:
+            return None  # null alone (or a union the mapper refuses)
+        conv = _walker(non_null[0], named, where, mode)
+        if conv is None:
             return None
-        conv = convs[0]  # at most one non-null branch (checked by the mapper)
         return lambda v: None if v is None else conv(v)
     if not isinstance(avro, dict):
         return None
     kind = avro.get("type")
-    if kind == "string" and avro.get("logicalType") == "uuid":
-        return lambda v: str(v) if isinstance(v, uuid.UUID) else v
+    logical = avro.get("logicalType")
+    if kind == "string" and logical == "uuid":
+        if mode == "to_arrow":
+            return lambda v: str(v) if isinstance(v, uuid.UUID) else v
+        if mode == "to_avro":
+            return lambda v: uuid.UUID(v) if isinstance(v, str) else v
+        return None
+    if kind == "int" and mode == "normalise":
+        return _int_checker(where)
+    if logical == "decimal" and kind in ("bytes", "fixed") and mode == "normalise":
+        if kind == "fixed":
+            named[avro["name"]] = avro
+        return _decimal_checker(avro, where)
     if kind in ("record", "error"):
         named[avro["name"]] = avro
         fconvs = {
             f["name"]: c
             for f in avro["fields"]
-            if (c := _uuid_converter(f["type"], named)) is not None
+            if (c := _walker(f["type"], named, f"{where}.{f['name']}", mode)) is not None
         }
         if not fconvs:
             return None
@@ -356,18 +457,70 @@ def _uuid_converter(avro: Any, named: dict[str, Any]) -> _Conv | None:
         named[avro["name"]] = avro
         return None
     if kind == "array":
-        ic = _uuid_converter(avro["items"], named)
+        ic = _walker(avro["items"], named, f"{where}[]", mode)
         if ic is None:
             return None
-        return lambda v: v if v is None else [ic(x) for x in v]
+        return lambda v: [ic(x) for x in v] if isinstance(v, list) else v
     if kind == "map":
-        vc = _uuid_converter(avro["values"], named)
-        if vc is None:
-            return None
-        return lambda v: v if v is None else {k: vc(x) for k, x in dict(v).items()}
-    if isinstance(kind, (dict, list, str)) and kind not in _PRIMITIVES:
-        return _uuid_converter(kind, named)
+        vc = _walker(avro["values"], named, f"{where}{{}}", mode)
+        if mode == "to_avro":
+            if vc is None:
+                return None
+            return lambda v: {k: vc(x) for k, x in v.items()} if isinstance(v, Mapping) else v
+        return lambda v: _sorted_map(v, vc) if isinstance(v, Mapping) else v
+    if isinstance(kind, (dict, list)) or (isinstance(kind, str) and kind not in _PRIMITIVES):
+        return _walker(kind, named, where, mode)
     return None
+
+
+def _int_checker(where: str) -> _Conv:
+    def check(v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _INT_MAX:
+            raise ValueError(
+                f"expected an int in [-2**31, 2**31) at {where}, found {v} (out of range)"
+            )
+        return v
+
+    return check
+
+
+def _decimal_checker(avro: Mapping[str, Any], where: str) -> _Conv:
+    precision, scale = avro.get("precision"), avro.get("scale", 0)
+
+    def check(v: Any) -> Any:
+        if not isinstance(v, Decimal):
+            return v  # fastavro says what else it does not accept
+        if not v.is_finite():
+            raise ValueError(f"expected a finite decimal at {where}, found {v}")
+        _, digits, exponent = v.as_tuple()
+        assert isinstance(exponent, int)
+        if exponent + scale < 0:
+            raise ValueError(
+                f"expected a decimal with at most {scale} digits after the point at {where}, "
+                f"found {v}"
+            )
+        if len(digits) + exponent + scale > precision and any(digits):
+            raise ValueError(
+                f"expected a decimal of at most {precision} digits (scale {scale}) at {where}, "
+                f"found {v}"
+            )
+        return v
+
+    return check
+
+
+def row_normaliser(schema: AvroSchema) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """A function that checks a row (dict) for the values the collection cannot hold and puts it
+    in canonical form (map keys in order of their UTF-8 bytes).
+
+    It raises ValueError naming the field for an ``int`` outside 32 bits or a decimal with
+    more digits than its precision or scale: Avro's encoding carries such values, the Arrow
+    columns do not. The codec (:class:`~shared.codec.RowCodec`) runs it on every row it encodes
+    or decodes."""
+    conv = _compiled(_schema_key(schema))[4]
+    if conv is None:
+        return dict
+    return conv  # type: ignore[return-value]
 
 
 def _check_non_nullable(array: pa.Array, field: pa.Field, where: str) -> None:
@@ -402,13 +555,23 @@ def _schema_key(schema: AvroSchema) -> str:
 @lru_cache(maxsize=256)
 def _compiled(
     key: str,
-) -> tuple[pa.Schema, frozenset[str], frozenset[str], _Conv | None]:
-    """What rows_to_arrow needs of a schema, computed once per schema text."""
+) -> tuple[pa.Schema, frozenset[str], frozenset[str], _Conv | None, _Conv | None, _Conv | None]:
+    """What the conversions need of a schema, computed once per schema text: the Arrow
+    schema, its field names, its non-nullable names, and the walkers to Arrow, for the codec
+    and to Avro."""
     parsed = _parse_any(key)
     arrow_schema = avro_to_arrow_schema(parsed)
     names = frozenset(arrow_schema.names)
     required = frozenset(f.name for f in arrow_schema if not f.nullable)
-    return arrow_schema, names, required, _uuid_converter(parsed, {})
+    where = str(parsed["name"]).rsplit(".", 1)[-1]
+    return (
+        arrow_schema,
+        names,
+        required,
+        _walker(parsed, {}, where, "to_arrow"),
+        _walker(parsed, {}, where, "normalise"),
+        _walker(parsed, {}, where, "to_avro"),
+    )
 
 
 def rows_to_arrow(rows: Sequence[Mapping[str, Any]], schema: AvroSchema) -> pa.Table:
@@ -418,7 +581,7 @@ def rows_to_arrow(rows: Sequence[Mapping[str, Any]], schema: AvroSchema) -> pa.T
     Raises :class:`~shared.errors.EncodeError` for a row that does not fit: an unknown or
     missing field, a value of the wrong type or out of range, a null in a non-nullable field.
     """
-    arrow_schema, names, required, conv = _compiled(_schema_key(schema))
+    arrow_schema, names, required, conv, _, _ = _compiled(_schema_key(schema))
     prepared: list[Any] = []
     for i, row in enumerate(rows):
         if type(row) is not dict and not isinstance(row, Mapping):
@@ -456,12 +619,44 @@ def rows_to_arrow(rows: Sequence[Mapping[str, Any]], schema: AvroSchema) -> pa.T
     return table
 
 
-def arrow_to_rows(table: pa.Table | pa.RecordBatch) -> list[dict[str, Any]]:
-    """An Arrow table -> rows as Python dicts that fastavro encodes with the row schema.
+def _without_nanos(t: pa.DataType) -> pa.DataType:
+    """``t`` with every nanosecond timestamp (at any depth) as ``int64``."""
+    if pa.types.is_timestamp(t) and t.unit == "ns":
+        return pa.int64()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_without_nanos(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(t.key_field, t.item_field.with_type(_without_nanos(t.item_type)))
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_without_nanos(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_without_nanos(t.value_type)))
+    return t
 
-    Maps become dicts, structs dicts, lists lists; timestamps come back as ``datetime`` (aware
-    in UTC when the Arrow type has a time zone), decimals as ``Decimal``, uuids as ``str``.
-    Every column is converted, including any ``_time``/``_diff``/``_error`` columns.
+
+def arrow_to_rows(
+    table: pa.Table | pa.RecordBatch, schema: AvroSchema | None = None
+) -> list[dict[str, Any]]:
+    """An Arrow table -> rows as Python dicts, the inverse of :func:`rows_to_arrow`.
+
+    With the collection's row ``schema``, each row is what :meth:`shared.codec.RowCodec.decode`
+    gives for it (uuids as ``uuid.UUID``), so ``RowCodec.encode`` of it gives the canonical
+    bytes of the row as it came from the topic: the read-back of a shard is an exact inverse of
+    its staging (proved by ``tests/test_avro_arrow_types.py``). Without ``schema``, uuids stay
+    text (which encodes to the same bytes).
+
+    Maps become dicts, structs dicts, lists lists; timestamps in ms or us come back as
+    ``datetime`` (aware in UTC when the Arrow type has a time zone), nanosecond timestamps as
+    the ``int`` nanoseconds (a ``datetime`` cannot hold them; fastavro decodes them as ints),
+    decimals as ``Decimal``. Columns that are no field of ``schema`` (such as ``_time``,
+    ``_diff`` and ``_error``) are converted the same way, without the schema.
     """
+    target = pa.schema([f.with_type(_without_nanos(f.type)) for f in table.schema])
+    if target != table.schema:
+        table = table.cast(target)
     rows: list[dict[str, Any]] = table.to_pylist(maps_as_pydicts="strict")
+    if schema is not None:
+        conv = _compiled(_schema_key(schema))[5]
+        if conv is not None:
+            rows = [conv(r) for r in rows]
     return rows

@@ -42,8 +42,9 @@ A collection's rows are single-object encoded with the collection's row schema
 (:class:`RowCodec`), so that rows written before an ``AlterCollection`` still decode. The row
 hash that partitions a desired topic is taken over the row's *schemaless body under the
 current schema* (:meth:`RowCodec.partition_key`), the same for producer and write service,
-whatever schema version a row was written with. Map keys are sorted before encoding so that
-equal rows have equal bytes.
+whatever schema version a row was written with. Rows are encoded canonically (map keys sorted,
+see :meth:`RowCodec.canonical`) so that equal rows have equal bytes, from the topic or from the
+shard.
 
 Errors
 ------
@@ -57,10 +58,13 @@ Pure: fastavro only, no I/O (the registry is an interface; an HTTP client lives 
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import io
 import json
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from pathlib import Path
@@ -71,7 +75,7 @@ import fastavro.read
 import fastavro.write
 from fastavro.schema import to_parsing_canonical_form
 
-from shared.avro_arrow import parse_row_schema
+from shared.avro_arrow import parse_row_schema, row_normaliser
 from shared.errors import CodecError, DecodeError, EncodeError, SchemaError, SchemaRegistryError
 
 __all__ = [
@@ -139,6 +143,90 @@ def _register_u64() -> None:
 
 
 _register_u64()
+
+
+# -- strict logical types ----------------------------------------------------------------------
+#
+# fastavro's own readers of a few logical types accept bodies whose value the type forbids and
+# return something else than what was written: a time-millis of -1 reads as 00:00:00.999, a
+# decimal with more digits than its precision is rounded to the precision. A row read like that
+# would re-encode to other bytes (and other values) than the topic carried. These readers are
+# exact or raise (ValueError, which the codec turns into a DecodeError). The nanosecond
+# timestamps, which fastavro leaves as plain longs, get writers that also take a ``datetime``
+# (decoding keeps the long: a ``datetime`` cannot hold nanoseconds). A ``uuid`` string is
+# written in its canonical form (lowercase, hyphenated), so that equal uuids are equal bytes.
+
+_MS_PER_DAY = 86_400_000
+_US_PER_DAY = 86_400_000_000
+_EPOCH_UTC = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_EPOCH_NAIVE = datetime.datetime(1970, 1, 1)
+
+
+def _time_of_day(micros: int) -> datetime.time:
+    seconds, us = divmod(micros, 1_000_000)
+    minutes, s = divmod(seconds, 60)
+    h, m = divmod(minutes, 60)
+    return datetime.time(h, m, s, us)
+
+
+def _read_time_millis(datum: int, writer_schema: Any = None, reader_schema: Any = None) -> Any:
+    if not 0 <= datum < _MS_PER_DAY:
+        raise ValueError(f"expected a time-millis in [0, {_MS_PER_DAY}), found {datum}")
+    return _time_of_day(datum * 1000)
+
+
+def _read_time_micros(datum: int, writer_schema: Any = None, reader_schema: Any = None) -> Any:
+    if not 0 <= datum < _US_PER_DAY:
+        raise ValueError(f"expected a time-micros in [0, {_US_PER_DAY}), found {datum}")
+    return _time_of_day(datum)
+
+
+def _read_decimal(datum: bytes, writer_schema: Any = None, reader_schema: Any = None) -> Any:
+    schema = writer_schema or {}
+    precision, scale = schema["precision"], schema.get("scale", 0)
+    unscaled = int.from_bytes(datum, "big", signed=True)
+    if abs(unscaled) >= 10**precision:
+        raise ValueError(
+            f"expected a decimal of at most {precision} digits, found the unscaled value "
+            f"{unscaled} ({len(str(abs(unscaled)))} digits)"
+        )
+    return decimal.Decimal(unscaled).scaleb(-scale, decimal.Context(prec=max(precision, 1)))
+
+
+def _nanos_writer(aware: bool) -> Callable[[Any, Any], Any]:
+    epoch = _EPOCH_UTC if aware else _EPOCH_NAIVE
+
+    def write(datum: Any, schema: Any = None) -> Any:
+        if isinstance(datum, datetime.datetime):
+            if aware and datum.tzinfo is None:
+                raise ValueError(f"expected an aware datetime for timestamp-nanos, found {datum!r}")
+            delta = (datum if aware else datum.replace(tzinfo=None)) - epoch
+            return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
+        return datum
+
+    return write
+
+
+def _write_uuid(datum: Any, schema: Any = None) -> Any:
+    if isinstance(datum, uuid.UUID):
+        return str(datum)
+    if isinstance(datum, str):
+        return str(uuid.UUID(datum))  # ValueError for a string that is no uuid
+    return datum
+
+
+def _register_strict_logical_types() -> None:
+    readers, writers = fastavro.read.LOGICAL_READERS, fastavro.write.LOGICAL_WRITERS
+    readers["int-time-millis"] = _read_time_millis
+    readers["long-time-micros"] = _read_time_micros
+    readers["bytes-decimal"] = _read_decimal
+    readers["fixed-decimal"] = _read_decimal
+    writers["long-timestamp-nanos"] = _nanos_writer(aware=True)
+    writers["long-local-timestamp-nanos"] = _nanos_writer(aware=False)
+    writers["string-uuid"] = _write_uuid
+
+
+_register_strict_logical_types()
 
 
 # -- fingerprints ----------------------------------------------------------------------------
@@ -436,9 +524,12 @@ class Codec:
         try:
             value = fastavro.schemaless_reader(fo, writer.parsed, writer.reader, **_READ_OPTIONS)
         except Exception as e:  # fastavro raises EOFError, ValueError, UnicodeDecodeError...
+            why = str(e)
+            if isinstance(e, IndexError):
+                why = "an enum symbol or union branch index beyond the schema's"
             raise DecodeError(
                 f"expected a body matching {self.subject!r}, found bytes that do not decode "
-                f"({type(e).__name__}: {e})",
+                f"({type(e).__name__}: {why})",
                 cause=type(e).__name__,
             ) from e
         end = fo.tell()
@@ -461,62 +552,6 @@ class Codec:
 # -- rows of a collection --------------------------------------------------------------------
 
 
-def _map_sorter(avro: Any, named: dict[str, Any]) -> Callable[[Any], Any] | None:
-    """A function that sorts the keys of every map in a value, or None if there are none."""
-    if isinstance(avro, str):
-        return _map_sorter(named[avro], named) if avro in named else None
-    if isinstance(avro, list):
-        fs = [f for f in (_map_sorter(b, named) for b in avro) if f is not None]
-        if not fs:
-            return None
-        f0 = fs[0]  # row schemas allow at most one non-null union branch
-        return lambda v: None if v is None else f0(v)
-    if not isinstance(avro, dict):
-        return None
-    kind = avro.get("type")
-    if kind in ("record", "error"):
-        named[avro["name"]] = avro
-        fields = {
-            f["name"]: s for f in avro["fields"] if (s := _map_sorter(f["type"], named)) is not None
-        }
-        if not fields:
-            return None
-
-        def sort_record(v: Any) -> Any:
-            if not isinstance(v, Mapping):
-                return v
-            out = dict(v)
-            for k, s in fields.items():
-                if k in out:
-                    out[k] = s(out[k])
-            return out
-
-        return sort_record
-    if kind in ("enum", "fixed"):
-        named[avro["name"]] = avro
-        return None
-    if kind == "array":
-        inner = _map_sorter(avro["items"], named)
-        if inner is None:
-            return None
-        return lambda v: v if not isinstance(v, list) else [inner(x) for x in v]
-    if kind == "map":
-        inner_v = _map_sorter(avro["values"], named)
-
-        def sort_map(v: Any) -> Any:
-            if not isinstance(v, Mapping):
-                return v
-            return {
-                k: (inner_v(v[k]) if inner_v is not None else v[k])
-                for k in sorted(v, key=lambda k: str(k).encode("utf-8"))
-            }
-
-        return sort_map
-    if isinstance(kind, (dict, list)):
-        return _map_sorter(kind, named)
-    return None
-
-
 class RowCodec:
     """Single-object encoding of a collection's rows with its row schema.
 
@@ -528,37 +563,77 @@ class RowCodec:
         self.schema = parse_row_schema(schema)
         self.codec = Codec(self.schema, previous=[parse_row_schema(p) for p in previous])
         self.fingerprint = self.codec.fingerprint
-        self._sort = _map_sorter(self.schema, {})
+        self._normalise = row_normaliser(self.schema)
+
+    def _normalised(self, row: Mapping[str, Any]) -> Any:
+        try:
+            return self._normalise(row)
+        except ValueError as e:
+            raise EncodeError(f"expected a row that fits {self.codec.subject!r}, found: {e}") from e
 
     def encode(self, row: Mapping[str, Any]) -> bytes:
-        """The row, single-object encoded (map keys sorted: equal rows, equal bytes)."""
-        return self.codec.encode(self._sort(row) if self._sort is not None else row)
+        """The row in its canonical single-object encoding (see :meth:`canonical`).
+
+        Raises EncodeError for a row that does not fit the schema, including a value the
+        Avro type encodes but the collection cannot hold (an ``int`` outside 32 bits, a
+        decimal with more digits than its precision)."""
+        return self.codec.encode(self._normalised(row))
 
     def encode_body(self, row: Mapping[str, Any]) -> bytes:
-        """The row's schemaless body under the current schema (the partition key)."""
-        return self.codec.encode_body(self._sort(row) if self._sort is not None else row)
+        """The row's canonical schemaless body under the current schema (the partition key)."""
+        return self.codec.encode_body(self._normalised(row))
 
     def decode(self, row_bytes: bytes) -> dict[str, Any]:
-        """A single-object encoded row (any known version) as a dict of the current schema."""
+        """A single-object encoded row (any known version) as a dict of the current schema.
+
+        Raises DecodeError for bytes that do not decode and for a value the collection cannot
+        hold (see :meth:`encode`); the message names the field."""
         value = self.codec.decode(row_bytes)
         if not isinstance(value, dict):  # pragma: no cover - a record schema decodes to a dict
             raise DecodeError(f"expected a record, found {type(value).__name__}")
-        return value
+        try:
+            checked: dict[str, Any] = self._normalise(value)
+        except ValueError as e:
+            raise DecodeError(
+                f"expected a row that fits {self.codec.subject!r}, found: {e}", cause="range"
+            ) from e
+        return checked
+
+    def canonical(self, row_bytes: bytes) -> bytes:
+        """The canonical single-object encoding of the row that ``row_bytes`` encode.
+
+        *Canonical* means: the current schema's fingerprint, then the body fastavro writes for
+        the decoded value, with map keys in order of their UTF-8 bytes (one block per array
+        and map, minimal varints, booleans as 0/1, uuids in lowercase text, decimals as
+        fastavro writes them, a duplicate map key resolved as decoding resolves it: the last
+        one wins). It is a function of the row's *value*: whatever bytes a producer wrote for
+        a value (an older schema version, over-long varints, unsorted or split map blocks),
+        and whether the value comes from the topic or from the shard's Arrow columns
+        (``RowCodec.encode(arrow_to_rows(table, schema)[i])``), the bytes are the same, so
+        that the correction buffer's keys meet.
+
+        Raises DecodeError for bytes that do not decode or hold a value the collection cannot
+        hold."""
+        value = self.decode(row_bytes)
+        try:
+            return self.codec.encode(value)
+        except EncodeError as e:  # pragma: no cover - a decoded, checked value encodes
+            raise DecodeError(f"expected a row that encodes again, found: {e}") from e
 
     def partition_key(self, row_bytes: bytes) -> bytes:
-        """The bytes the row hash is taken over: the schemaless body under the current schema.
+        """The bytes the row hash is taken over: the canonical body under the current schema.
 
-        Fast path (the row was written with the current schema): the bytes after the header.
-        Otherwise the row is decoded (resolving the old schema) and re-encoded."""
+        Fast path (the row was written with the current schema): the bytes after the header,
+        which are the canonical body when ``row_bytes`` is canonical (what :meth:`encode` and
+        :meth:`canonical` give; the sink canonicalises every row it decodes). Otherwise the
+        row is decoded (resolving the old schema) and re-encoded."""
         if self.codec.writer_fingerprint(row_bytes) == self.fingerprint:
             return bytes(row_bytes[_HEADER_LEN:])
-        return self.encode_body(self.decode(row_bytes))
+        return self.codec.encode_body(self.decode(row_bytes))
 
     def upgrade(self, row_bytes: bytes) -> bytes:
-        """The row re-encoded with the current schema (itself when it already is)."""
-        if self.codec.writer_fingerprint(row_bytes) == self.fingerprint:
-            return bytes(row_bytes)
-        return self.encode(self.decode(row_bytes))
+        """The row in its canonical encoding under the current schema (:meth:`canonical`)."""
+        return self.canonical(row_bytes)
 
 
 # -- the project's message schemas -----------------------------------------------------------

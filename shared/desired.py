@@ -3,8 +3,10 @@
 A desired topic carries two kinds of message (schema ``schemas/desired.avsc``):
 
 - an **update** ``(row, time, diff)``, produced to partition ``row_partition(key, n)`` where
-  ``key`` is the row's schemaless Avro body under the collection's current schema
-  (:meth:`shared.codec.RowCodec.partition_key`) and ``n`` the topic's partition count; the
+  ``key`` is the row's *canonical* schemaless Avro body under the collection's current schema
+  (:meth:`shared.codec.RowCodec.partition_key`; canonical as :meth:`~shared.codec.RowCodec.canonical`
+  defines it: what fastavro writes for the value with map keys sorted, which is what
+  ``RowCodec.encode`` and the producer helper give) and ``n`` the topic's partition count; the
   write service partitions the shard's read-back with the same function, so that an update
   and its cancelling read-back meet in one partition;
 - a **progress statement** ``frontier`` per partition: no more updates at times below it will

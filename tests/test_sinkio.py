@@ -54,3 +54,45 @@ def test_control_topics_pass_through_raw() -> None:
     (out,) = list(decode_partition("d")([_batch([b"\x01\x02"], topic="descs")]))
     assert out.column("kind").to_pylist() == [KIND_CONTROL]
     assert out.column("value").to_pylist() == [b"\x01\x02"]
+
+
+RANGED = {
+    "type": "record",
+    "name": "Ranged",
+    "fields": [
+        {"name": "i", "type": "int"},
+        {"name": "e", "type": {"type": "enum", "name": "E", "symbols": ["A", "B"]}},
+        {"name": "m", "type": {"type": "map", "values": "long"}},
+    ],
+}
+
+
+def test_values_out_of_their_fields_range_become_bad_rows_at_their_time_naming_offset_and_field() -> None:
+    """An int field carrying 2**31 (zig-zag varint encodes it, only the range forbids it) and an
+    enum index beyond the symbols decode as bad rows in the executors, never as updates that
+    would fail the writer later; the good rows around them are updates in canonical bytes."""
+    import json
+
+    codec = RowCodec(RANGED)
+    header = b"\xc3\x01" + codec.fingerprint
+    good = codec.encode({"i": 7, "e": "B", "m": {"a": 1}})
+    wide_int = header + b"\x80\x80\x80\x80\x10" + b"\x02" + b"\x00"  # i = 2**31
+    bad_enum = header + b"\x0e" + b"\x04" + b"\x00"  # i = 7, e = index 2 of 2 symbols
+    # the same value as `good`, written otherwise: an over-long varint for i = 7 and the map in
+    # a block with a negative count and a byte size; it decodes and is made canonical
+    other_bytes = header + b"\x8e\x00" + b"\x02" + b"\x01\x06\x02a\x02" + b"\x00"
+    assert other_bytes != good and codec.decode(other_bytes) == codec.decode(good)
+    values = [
+        encode_update(good, 10, 1),
+        encode_update(wide_int, 11, 1),
+        encode_update(bad_enum, 12, -1),
+        encode_update(other_bytes, 13, 1),
+    ]
+    (out,) = list(decode_partition("d", json.dumps(RANGED))([_batch(values)]))
+    rows = out.to_pylist()
+    assert [r["kind"] for r in rows] == [KIND_UPDATE, KIND_BAD, KIND_BAD, KIND_UPDATE]
+    assert rows[0]["row"] == good and rows[3]["row"] == good
+    assert (rows[1]["time"], rows[1]["diff"], rows[1]["row"]) == (11, 1, None)
+    assert "d/0@1" in rows[1]["error"] and "at Ranged.i, found 2147483648" in rows[1]["error"]
+    assert (rows[2]["time"], rows[2]["diff"]) == (12, -1)
+    assert "d/0@2" in rows[2]["error"] and "IndexError" in rows[2]["error"]

@@ -90,7 +90,7 @@ class PeeksRoom(CommandLoop):
         has_errors = table.num_rows > 0 and table[ERROR].null_count != table.num_rows
         result: tuple[str, dict[str, Any]] | None = None
         if not has_errors and table.nbytes <= 4 * peek.max_inline + 1024:
-            rows = arrow_to_rows(table.select(row_cols))
+            rows = arrow_to_rows(table.select(row_cols), col.row_codec.schema)
             encoded = [col.row_codec.encode(r) for r in rows]
             size = sum(len(e) + 10 for e in encoded)
             if size <= peek.max_inline:

@@ -258,7 +258,7 @@ class SubscribesRoom(CommandLoop):
         if table.num_rows == 0:
             return []
         ok = table.filter(pc.is_null(table[ERROR]))  # error rows have no row to send
-        rows = arrow_to_rows(ok.select(col.shard.row_columns))
+        rows = arrow_to_rows(ok.select(col.shard.row_columns), col.row_codec.schema)
         diffs = ok[DIFF].to_pylist()
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
         return [(int(t), col.row_codec.encode(r), int(d)) for t, r, d in zip(times, rows, diffs, strict=True)]

@@ -47,6 +47,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shared.avro_arrow import arrow_to_rows
 from shared.errors import InvalidUsageError, SinceViolationError
 from shared.frontier import Frontier
 from shared.shard import DIFF, ERROR, TIME, Shard
@@ -232,7 +233,8 @@ class Subscription:
         if table.num_rows == 0:
             return []
         ok = _sorted_by_row(table.filter(pc.is_null(table[ERROR])), self.shard.row_columns)
-        rows = ok.select(self.shard.row_columns).to_pylist()
+        # the one Arrow -> Avro mapping: maps as dicts, uuids and nanosecond times as decoded
+        rows = arrow_to_rows(ok.select(self.shard.row_columns), self.shard.head(max_age_s=1e9).schema)
         diffs = ok[DIFF].to_pylist()
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
         out = [Change(int(t), int(d), r) for t, d, r in zip(times, diffs, rows, strict=True)]

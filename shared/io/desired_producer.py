@@ -42,7 +42,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from shared.codec import RowCodec
 from shared.desired import encode_progress, encode_update, row_partition
-from shared.errors import ContractViolationError, KafkaDeliveryError, KafkaTimeoutError
+from shared.errors import ContractViolationError, DecodeError, KafkaDeliveryError, KafkaTimeoutError
 from shared.frontier import Frontier
 from shared.io.kafka import KafkaSettings, translate
 from shared.io.kafka_admin import topic_partition_count
@@ -100,17 +100,32 @@ class DesiredProducer:
         return self.partitions
 
     def partition_of(self, row_bytes: bytes) -> int:
-        """The partition of an encoded row."""
-        return row_partition(self.rows.partition_key(row_bytes), self.partitions)
+        """The partition of an encoded row: by the hash of its canonical body (see
+        :meth:`RowCodec.canonical`), whatever encoding of the value ``row_bytes`` is, so that it
+        meets the shard's read-back of the same row. Bytes that do not decode go by the hash of
+        their own body (the sink reports them in the error collection)."""
+        try:
+            return row_partition(self.rows.partition_key(self.rows.canonical(row_bytes)), self.partitions)
+        except DecodeError:
+            return row_partition(bytes(row_bytes[10:]), self.partitions)
 
     # -- sending -------------------------------------------------------------------------
     def send(self, row: Mapping[str, Any], time: int, diff: int = 1) -> int:
         """Queue one update; returns its partition. Raises EncodeError for a row that does not
-        fit the row schema and ContractViolationError for a time below the frontier."""
-        return self.send_encoded(self.rows.encode(row), time, diff)
+        fit the row schema (or holds a value the collection cannot hold, such as an ``int``
+        beyond 32 bits) and ContractViolationError for a time below the frontier."""
+        row_bytes = self.rows.encode(row)  # canonical: its body is the partition key
+        partition = row_partition(self.rows.partition_key(row_bytes), self.partitions)
+        return self._send(row_bytes, time, diff, partition)
 
     def send_encoded(self, row_bytes: bytes, time: int, diff: int = 1) -> int:
-        """Queue one update whose row is already single-object encoded with the row schema."""
+        """Queue one update whose row is already single-object encoded with the row schema.
+
+        The bytes go to the topic as they are, even when they do not decode: the sink checks
+        every row and turns a bad one into an error row at its time."""
+        return self._send(row_bytes, time, diff, None)
+
+    def _send(self, row_bytes: bytes, time: int, diff: int, partition: int | None) -> int:
         if not self._frontier.beyond(time):
             raise ContractViolationError(
                 f"expected an update at a time beyond the producer's frontier "
@@ -118,7 +133,8 @@ class DesiredProducer:
                 time=time,
                 frontier=self._frontier.time,
             )
-        partition = self.partition_of(row_bytes)
+        if partition is None:
+            partition = self.partition_of(row_bytes)
         self._produce(encode_update(row_bytes, time, diff), partition)
         self.sent_updates += 1
         return partition
