@@ -248,18 +248,13 @@ def _varint(n: int) -> bytes:
     return buf.getvalue()
 
 
-_READ_BACK = (
-    "the current write side re-encodes its read-back with table.to_pylist() (maps as pairs, "
-    "nanosecond timestamps as pandas Timestamps); it must call shared.avro_arrow.arrow_to_rows"
-    "(table, schema): the lead's rewrite of services/write makes this pass"
-)
 
 
 @pytest.mark.parametrize(
     ("family", "schema", "make_row"),
     [
-        pytest.param("times", TIMES, times_row, marks=pytest.mark.xfail(strict=True, reason=_READ_BACK)),
-        pytest.param("nested", NESTED, nested_row, marks=pytest.mark.xfail(strict=True, reason=_READ_BACK)),
+        pytest.param("times", TIMES, times_row),
+        pytest.param("nested", NESTED, nested_row),
         pytest.param("exact", EXACT, exact_row),
     ],
 )

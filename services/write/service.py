@@ -181,7 +181,9 @@ class _Context:
         ediffs: list[int] = []
         if table.num_rows == 0:
             return keys, times, diffs, ekeys, etimes, ediffs
-        rows = table.select(self.shard.row_columns).to_pylist()
+        from shared.avro_arrow import arrow_to_rows
+
+        rows = arrow_to_rows(table.select(self.shard.row_columns), self.codec.schema)
         errs = table[ERROR].to_pylist()
         ts = table[TIME].to_pylist()
         ds = table[DIFF].to_pylist()
@@ -192,7 +194,11 @@ class _Context:
                     etimes.append(t)
                     ediffs.append(d)
                 continue
-            key = self.codec.encode(row)
+            try:
+                key = self.codec.encode(row)
+            except ShardsinkError as e:  # a value no collection schema accepts: never stall
+                log.warning("skipping a shard row that does not encode: %s", e)
+                continue
             if routed or row_partition(self.codec.partition_key(key), n) == wp:
                 keys.append(key)
                 times.append(t)
