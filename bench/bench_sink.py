@@ -553,7 +553,7 @@ def main() -> int:
             watch = UpperWatch(rec_shard, on_error=log)
             rwl = Workload(DesiredProducer(settings.kafka, rec_topic, SCHEMA, linger_ms=20))
             live = 2_000 if args.quick else 10_000
-            n_hist = 20_000 if args.quick else 50_000
+            n_hist = 5_000 if args.quick else 50_000
             out["recovery_live_rows"] = live
 
             def steady(n: int) -> list[tuple[bytes, int]]:
