@@ -91,7 +91,7 @@ from services.sinkio import (
     u64,
 )
 from shared.catalog import SinkDef
-from shared.errors import DecodeError, HistoryUnprovenError, ShardsinkError
+from shared.errors import DecodeError, HistoryUnprovenError, ShardsinkError, SinkProtocolError
 from shared.frontier import Frontier
 from shared.sink_state import (
     BatchDescription,
@@ -375,6 +375,14 @@ def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) ->
     t1 = clock()
     if state.exists:
         ws = WriteState.from_checkpoint(state.get[0])
+        if ws.partition_count != job.partitions:
+            raise SinkProtocolError(
+                f"expected the desired topic {job.sink.desired_topic!r} to keep the "
+                f"{ws.partition_count} partitions its checkpoint was built for, found "
+                f"{job.partitions}: the correction buffers are keyed by partition; run "
+                f"`shardsink sink adopt {job.sink.sink_id}` to start a new checkpoint",
+                sink_id=job.sink.sink_id,
+            )
     else:
         ws = WriteState(job.sink.sink_id, wp, job.partitions)
         ctx.start(ws)
