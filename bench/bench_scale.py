@@ -12,6 +12,12 @@ Prints progress on stderr and, as its last stdout line, one JSON object with thr
 - ``size``: collection size 10k, 100k, 1M rows (loaded first), then a steady 10k updates/s of
   inserts and retractions of live rows: load throughput, freshness and achieved throughput.
 
+- ``cluster``: the same burst throughput with the services as their own application
+  (``python -m services``) on ``local[2]`` and on a Spark standalone cluster (master and
+  workers from the pyspark wheel's ``spark-class``, one core each) with 1 and 2 workers: the
+  write side's per-row work runs on the executors, so workers add throughput where the
+  machine has cores to give (this one has 2, shared with the broker, S3 and the driver).
+
 ``knee`` names, for the rate and size curves, the first step where the sink stops keeping up:
 its delay grows during the run (freshness of the last third of the steps above twice that of
 the first third plus 1 s), or freshness p50 more than 3x the previous step's. (``achieved``
@@ -182,11 +188,51 @@ def knee(points: list[dict[str, Any]], key: str) -> Any:
     return None
 
 
+def cluster_curve(settings: Any, env: dict[str, str], work: Path, run: str, n: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Burst throughput of ``python -m services`` on local[2] and on 1 and 2 standalone workers."""
+    import signal
+    import subprocess
+
+    from shared.embedded import SparkStandalone
+
+    points = []
+    for workers in (0, 1, 2):
+        cluster = SparkStandalone(workers=workers, cores=1).start() if workers else None
+        master = cluster.master_url if cluster else "local[2]"
+        feed = Feed(settings, f"cluster{workers}-{run}", 4)
+        log_path = work / f"cluster{workers}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services", "--sink", feed.name], cwd=REPO, stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**env, "PYSPARK_PYTHON": sys.executable, "SHARDSINK_SPARK_MASTER": master},
+            )
+        try:
+            warm_s = feed.warm(timeout_s)
+            r = burst(feed, n, 5_000, timeout_s)
+            r.update({"master": "local[2]" if not workers else f"standalone, {workers} worker(s) x 1 core",
+                      "workers": workers, "warm_s": round(warm_s, 1)})
+            points.append(r)
+            log(f"cluster {r['master']}: {r['updates_per_s']} updates/s")
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+            feed.close()
+            if cluster is not None:
+                cluster.stop()
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run, a few minutes)")
     ap.add_argument("--partitions", default=None, help="comma-separated partition counts (default 1,2,4,8)")
     ap.add_argument("--rates", default=None, help="comma-separated rates (default 1000,10000,100000; quick 1000,10000)")
+    ap.add_argument("--no-cluster", action="store_true", help="skip the standalone-cluster curve")
     ap.add_argument("--sizes", default=None, help="comma-separated sizes (default 10000,100000,1000000; quick 10000,100000)")
     args = ap.parse_args(argv)
 
@@ -266,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             services.stop()
             spark.stop()
+        if not args.no_cluster:
+            out["cluster"] = cluster_curve(settings, env, work, run, burst_n, timeout_s)
     out["load_end"] = round(os.getloadavg()[0], 1)
     out["total_s"] = round(time.monotonic() - t_bench, 1)
     print(json.dumps(out))

@@ -56,7 +56,7 @@ BENCHES = (
     Bench("bench-kafka", "bench_kafka.py", ("--records", "200000", "--runs", "2"), ("--records", "20000", "--runs", "1"), 1.5, 1.0),
     Bench("bench-sink", "bench_sink.py", ("--updates", "200000", "--freshness-s", "30"), ("--quick",), 4.5, 2.0),
     Bench("bench-controller", "bench_controller.py", (), ("--quick",), 0.8, 0.5),
-    Bench("bench-scale", "bench_scale.py", (), ("--quick",), 4.8, 2.5),
+    Bench("bench-scale", "bench_scale.py", (), ("--quick", "--no-cluster"), 6.0, 2.5),
 )
 
 
@@ -241,7 +241,10 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     row("sink `sink_vs_baseline`", g(res, "bench-sink", "sink_vs_baseline"), "", ">=", 0.8)
     row("sink `freshness_p50_s`", g(res, "bench-sink", "freshness_p50_s"), "", "<=", 1)
     row("sink `freshness_p99_s`", g(res, "bench-sink", "freshness_p99_s"), "", "<=", 2)
-    row("sink `recovery_s` (write SIGKILLed)", g(res, "bench-sink", "recovery_s"))
+    row("sink `recovery_s` (write SIGKILLed after 10N updates)", g(res, "bench-sink", "recovery_s"), f"after N: {fmt(g(res, 'bench-sink', 'recovery_n_s'))} s", "<=", 10)
+    row("sink `recovery_history_ratio` (10N / N, same live size)", g(res, "bench-sink", "recovery_history_ratio"), "", "<=", 1.3)
+    row("sink `driver_cpu_share`", g(res, "bench-sink", "driver_cpu_share"),
+        f"JVM {fmt(g(res, 'bench-sink', 'jvm_cpu_share'))}, Python workers {fmt(g(res, 'bench-sink', 'workers_cpu_share'))}", "<=", 0.1)
     row("sink `correction_peak_ratio`", g(res, "bench-sink", "correction_peak_ratio"), "", "<=", 1.5)
     row("controller `peek_1m_rows_s`", g(res, "bench-controller", "peek_1m_rows_s"), f"({fmt(g(res, 'bench-controller', 'peek_rows'))} rows)", "<=", 2)
     row("controller `subscribe_lag_p50_s`", g(res, "bench-controller", "subscribe_lag_p50_s"))
@@ -255,6 +258,8 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     for p in g(res, "bench-scale", "size") or []:
         row(f"scale: {fmt(p['size'])} rows at 10k/s: achieved/s, freshness p50/p99 s", p.get("achieved_updates_per_s"),
             f"p50 {fmt(p.get('freshness_p50_s'))}, p99 {fmt(p.get('freshness_p99_s'))}; load {fmt(p.get('load_updates_per_s'))}/s")
+    for p in g(res, "bench-scale", "cluster") or []:
+        row(f"scale: sink updates/s, {p['master']}", p.get("updates_per_s"))
     if g(res, "bench-scale", "rate") is not None:
         row("scale: knee (rate, updates/s)", g(res, "bench-scale", "rate_knee") or "none in range")
         row("scale: knee (collection size, rows)", g(res, "bench-scale", "size_knee") or "none in range")
