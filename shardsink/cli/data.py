@@ -88,7 +88,7 @@ def register(sub: Any) -> None:
     p.add_argument("--up-to", type=int, default=None, help="stop before this time (default: never)")
     p.add_argument("--progress", action="store_true", help="print progress statements too")
     p.add_argument("--no-snapshot", action="store_true", help="only the changes after --as-of, no snapshot")
-    p.add_argument("--topic", default=None, help="the output topic (default: a fresh one, deleted at the end)")
+    p.add_argument("--topic", default=None, help="the output topic (default: a fresh one, left on the broker at the end)")
     add_connection_args(p)
     p.set_defaults(func=_tail)
 
@@ -118,7 +118,8 @@ _TAIL = """\
 Subscribe to a collection and print each change as time<TAB>diff<TAB>row-json, like kcat;
 with --progress also progress<TAB>T lines (progress<TAB>closed at the end).
 
-The subscribe writes to a fresh output topic (--topic to name one), deleted at the end. It
+The subscribe writes to a fresh output topic (--topic to name one), left on the broker at the
+end (deleted when the controller refused the subscribe). It
 stops when the subscribe ends (--up-to reached, collection dropped) or on Ctrl-C, which
 cancels the subscribe (exit 130)."""
 
@@ -387,10 +388,14 @@ def _tail(args: argparse.Namespace) -> int:
     finally:
         consumer.close()
         session.close()
-        # The fresh topic is deleted once the controller no longer writes to it: the
-        # subscribe ended, was cancelled, or was never accepted.
-        if fresh and (done or cancelled or not acked):
+        # A fresh topic the controller never wrote to (the subscribe was refused) is deleted.
+        # One it wrote to is left: the controller's producer has it in its metadata cache,
+        # and on the embedded broker (Tansu) deleting a topic a live client has cached makes
+        # librdkafka crash that client (a NULL topic name in the next metadata update).
+        if fresh and not acked:
             _delete_topic(s.kafka, topic)
+        elif fresh:
+            print(f"output topic {topic} left on the broker", file=sys.stderr)
     return 0
 
 

@@ -50,7 +50,7 @@ def check_brokers(bootstrap: str, timeout_s: float = 3.0) -> None:
 
 def quiet_logging() -> None:
     """The CLI's logging: ``warning: ...`` lines on stderr (level from SHARDSINK_LOG_LEVEL,
-    default WARNING), with librdkafka's lines routed through it (``shardsink.kafka``)."""
+    default WARNING); librdkafka's own lines only when it is DEBUG."""
     import logging
     import os
 
@@ -61,9 +61,11 @@ def quiet_logging() -> None:
         root.addHandler(handler)
         root.setLevel(os.environ.get("SHARDSINK_LOG_LEVEL", "WARNING").upper())
         root.propagate = False
-    from shared.io.kafka import route_client_logs
+    from shared.io.kafka import quiet_client_logs
 
-    route_client_logs(logging.getLogger("shardsink.kafka"))
+    # librdkafka's own lines (connection failures it retries by itself) only when debugging:
+    # an unreachable broker is reported once, by the commands, naming its address.
+    quiet_client_logs(None if root.level <= logging.DEBUG else 2)
 
 
 class ProgressBar:

@@ -80,30 +80,21 @@ _ENV_OPTION_PREFIX = "OPTION_"
 #: librdkafka options that keep shutdown quiet (Tansu closes idle connections).
 _QUIET = {"log.connection.close": "false"}
 
-#: Where librdkafka's log lines go (None: librdkafka prints them to stderr itself). The CLI
-#: routes them through ``logging`` (see :func:`route_client_logs`).
-_CLIENT_LOGGER: Any = None
+#: The most verbose librdkafka log level (syslog numbering) for clients created from now on;
+#: None: librdkafka's default. The CLI lowers it (see :func:`quiet_client_logs`).
+_CLIENT_LOG_LEVEL: int | None = None
 
 
-class _ClientLog:
-    """librdkafka's log callback as ``logging``: its connection failures (``FAIL``, retried by
-    librdkafka on its own) at DEBUG, everything else at its own level."""
+def quiet_client_logs(level: int | None) -> None:
+    """librdkafka writes only log lines at ``level`` or more severe (syslog numbering: 2 is
+    critical, 3 error, 6 info) for every Kafka client created from now on; None: its default.
 
-    def __init__(self, logger: logging.Logger) -> None:
-        self.logger = logger
-
-    def log(self, level: int, msg: str, *args: Any) -> None:
-        text = msg % args if args else msg
-        if "|FAIL|" in text or " FAIL " in text or "Connect to" in text or "Connection refused" in text:
-            level = logging.DEBUG
-        self.logger.log(level, text)
-
-
-def route_client_logs(logger: logging.Logger | None) -> None:
-    """Send the log lines of every Kafka client created from now on to ``logger`` (None:
-    back to librdkafka's stderr)."""
-    global _CLIENT_LOGGER
-    _CLIENT_LOGGER = None if logger is None else _ClientLog(logger)
+    A level, not a Python ``logger``: confluent-kafka calls a Python logger from inside
+    ``poll``/``flush`` without handling an exception it raises, so a Ctrl-C that lands in the
+    callback corrupts the interpreter (confluent-kafka-python issue 1708; seen here as a
+    segmentation fault of a CLI ``tail`` cancelled by Ctrl-C)."""
+    global _CLIENT_LOG_LEVEL
+    _CLIENT_LOG_LEVEL = level
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +177,8 @@ class KafkaSettings:
         """A confluent-kafka client config: defaults, then ``extra``, then the pass-through
         options (so that a user's option wins over our defaults)."""
         conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, **_QUIET}
-        if _CLIENT_LOGGER is not None:
-            conf["logger"] = _CLIENT_LOGGER
+        if _CLIENT_LOG_LEVEL is not None:
+            conf["log_level"] = _CLIENT_LOG_LEVEL
         conf.update(extra)
         conf.update(dict(self.options))
         return conf
