@@ -211,28 +211,33 @@ def _consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table | None
     """Sort-based consolidation; None when a key type cannot be sorted or compared.
 
     1. sort the keys (floats by their bits, nulls last): equal rows become adjacent;
-    2. ``same[i]``: sorted row ``i + 1`` equals row ``i`` in every key (null equals null);
-    3. no equal neighbours: the input is already consolidated, returned unsorted (no take);
+    2. ``same[i]``: sorted row ``i + 1`` equals row ``i`` in every key (null equals null),
+       built key by key;
+    3. no equal neighbours (after any key): the input is already consolidated, returned
+       unsorted (no take of the rows);
     4. else each run of equal rows starts where ``same`` is false: ``np.add.reduceat`` sums
        its diffs and the run's first row stands for it.
     """
     names = [f"k{i}" for i in range(len(keys))]
     try:
-        sk = pa.table([_bitwise(table[k]) for k in keys], names=names).combine_chunks()
+        sk = pa.table([_bitwise(table[k]) for k in keys], names=names)
         idx = pc.sort_indices(sk, [(n, "ascending") for n in names])
         n = table.num_rows
         same: pa.Array | None = None
-        if n > 1:
-            for col in sk.take(idx).columns:
-                c = col.combine_chunks()
-                a, b = c.slice(1), c.slice(0, n - 1)
-                eq = pc.equal(a, b)
-                if eq.null_count:
-                    eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
-                same = eq if same is None else pc.and_(same, eq)
+        for name in names if n > 1 else []:
+            # Column by column, stopping once no neighbours are equal so far: a unique
+            # leading column (an id) settles it without touching the others.
+            c = sk[name].combine_chunks().take(idx)
+            a, b = c.slice(1), c.slice(0, n - 1)
+            eq = pc.equal(a, b)
+            if eq.null_count:
+                eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
+            same = eq if same is None else pc.and_(same, eq)
+            if not pc.any(same).as_py():
+                return table.select([*keys, DIFF])
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
         return None
-    if same is None or not pc.any(same).as_py():
+    if same is None:
         return table.select([*keys, DIFF])
     starts = np.flatnonzero(np.concatenate([[True], ~same.to_numpy(zero_copy_only=False)]))
     order = idx.to_numpy()
@@ -625,9 +630,11 @@ class Shard:
         state = self._wait_readable(as_of, timeout_s)
         # Times only ever advance (to since <= as_of), so a batch whose lower is beyond
         # as_of holds nothing visible at as_of.
-        keys = [p.key for b in state.batches if b.lower.beyond(as_of) for p in b.parts]
-        table = self._read_parts(keys)
-        if table.num_rows:
+        visible = [b for b in state.batches if b.lower.beyond(as_of)]
+        table = self._read_parts([p.key for b in visible for p in b.parts])
+        # A batch's times are below its upper: when every upper is at most as_of + 1, every
+        # time is at or before as_of and the filter has nothing to drop.
+        if table.num_rows and not all(b.upper.less_equal(Frontier.at(as_of + 1)) for b in visible):
             table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
         return consolidate(table, [*self.row_columns, ERROR])
 
