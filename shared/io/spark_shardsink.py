@@ -248,7 +248,8 @@ class ShardsinkBatchReader(DataSourceReader):
             S3ObjectStore(self.options.s3), p.keys, self.part_schema, p.as_of, p.skip_time_filter,
             partition.bucket, p.buckets, self.options.include_errors,
         )
-        yield from table.replace_schema_metadata(None).to_batches()
+        nullable = pa.schema([f.with_nullable(True) for f in table.schema])  # as spark_schema says
+        yield from table.cast(nullable).to_batches()
 
 
 class ShardsinkDataSource(DataSource):
@@ -283,7 +284,10 @@ def read_collection(
 ) -> DataFrame:
     """``spark.read.format("shardsink")`` for one collection, with ``as_of`` checked on the
     driver first: below since raises SinceViolationError, at or beyond upper
-    NotReadableYetError (the classes themselves, not Spark's wrapper)."""
+    NotReadableYetError (the classes themselves, not Spark's wrapper). ``num_partitions``
+    defaults to the session's default parallelism."""
+    if num_partitions is None:
+        num_partitions = spark.sparkContext.defaultParallelism  # one task per core
     opts = ReadOptions(collection_id, settings or S3Settings.from_env(), as_of, include_errors, num_partitions)
     plan_read(Shard.open(S3ObjectStore(opts.s3), collection_id), as_of, num_partitions)
     register_shardsink_source(spark)
