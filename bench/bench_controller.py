@@ -9,6 +9,9 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 - compaction_mb_per_s: Parquet bytes of the batches merged when a read policy moves since
   past 20 batches of 50k rows, divided by the time from the SetReadPolicy command to the
   merged state
+- spark_read_1m_rows_s: ``read_collection(spark, "peek1m", as_of).toArrow()`` of the same 1M-row
+  collection through the ``shardsink`` Spark batch source (local[2] session, already warm:
+  median of 3 after one untimed read)
 
 ``--quick`` shrinks every size (for smoke runs).
 """
@@ -91,6 +94,33 @@ def bench_peek(client: ControllerClient, store: object, rows: int) -> float:
         assert res.get("row_count") == rows, res
     log(f"peek {rows} rows: {[round(t, 3) for t in times]} s")
     return statistics.median(times)
+
+
+def bench_spark_read(store_settings: object, rows: int) -> float:
+    from pyspark.sql import SparkSession
+
+    from shared.io.spark_shardsink import read_collection
+
+    spark = (SparkSession.builder.master("local[2]").appName("bench-spark-read")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", "2g").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        shard = Shard(store_settings.store(), "peek1m")  # type: ignore[attr-defined]
+        as_of = (shard.refresh().upper.time or 1) - 1
+        s3 = store_settings.s3  # type: ignore[attr-defined]
+        n = read_collection(spark, "peek1m", as_of, settings=s3).count()  # warm the workers
+        assert n == rows, n
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            got = read_collection(spark, "peek1m", as_of, settings=s3).toArrow()
+            times.append(time.perf_counter() - t0)
+            assert got.num_rows == rows, got.num_rows
+        log(f"spark read {rows} rows: {[round(t, 3) for t in times]} s")
+        return statistics.median(times)
+    finally:
+        spark.stop()
 
 
 def bench_subscribe_lag(stack: EmbeddedStack, client: ControllerClient, store: object, n: int) -> tuple[float, float]:
@@ -186,6 +216,7 @@ def main() -> int:
             peek_s = bench_peek(client, store, peek_rows)
             p50, p99 = bench_subscribe_lag(stack, client, store, lag_n)
             comp = bench_compaction(client, store, 20, 5_000 if args.quick else 50_000)
+            spark_read_s = bench_spark_read(svc, peek_rows)
         finally:
             controller.stop()
             client.close()
@@ -195,6 +226,7 @@ def main() -> int:
         "subscribe_lag_p50_s": round(p50, 4),
         "subscribe_lag_p99_s": round(p99, 4),
         "compaction_mb_per_s": round(comp, 2),
+        "spark_read_1m_rows_s": round(spark_read_s, 3),
         "quick": args.quick,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -89,6 +90,8 @@ DIFF = "_diff"
 ERROR = "_error"
 DATA_FORMAT_VERSION = "1"
 DEFAULT_GRACE_MS = 10 * 60 * 1000
+# A merge writes its result as parts of at most this many rows, encoded in parallel.
+MERGE_ROWS_PER_PART = 256 * 1024
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 Updates: TypeAlias = pa.Table | Sequence[tuple[Any, ...]]
@@ -170,17 +173,79 @@ class GcReport:
 
 
 def consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
-    """Sum ``_diff`` over equal ``keys`` and drop zero sums."""
+    """Sum ``_diff`` over equal ``keys`` and drop zero sums.
+
+    Vectorised with Arrow: sort on the keys, mark rows equal to their predecessor, sum the
+    diffs of each run of equal rows (:func:`_consolidate_sorted`). Key types Arrow cannot sort
+    or compare (lists, maps, structs) take Arrow's hash aggregation, then a Python fallback.
+    Rows are equal when their values are bitwise equal (floats compare by their bits, so
+    ``0.0`` and ``-0.0`` stay apart and equal NaNs consolidate), as their encoded bytes are.
+    """
     if table.num_rows == 0:
         return table.select([*keys, DIFF])
+    out = _consolidate_sorted(table, keys)
+    if out is None:
+        try:
+            out = table.group_by(list(keys), use_threads=True).aggregate([(DIFF, "sum")])
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+            out = _consolidate_py(table, keys)
+        else:
+            out = out.rename_columns([*keys, DIFF])
+        out = out.select([*keys, DIFF])
+    diffs = out[DIFF]
+    if diffs.null_count == 0 and pc.all(pc.not_equal(diffs, 0)).as_py():
+        return out
+    return out.filter(pc.not_equal(diffs, 0))
+
+
+def _bitwise(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Floats viewed as integers of their width: equal bits sort together and compare equal."""
+    t = col.type
+    if pa.types.is_floating(t):
+        it = {16: pa.int16(), 32: pa.int32(), 64: pa.int64()}[t.bit_width]
+        return pa.chunked_array([c.view(it) for c in col.chunks], type=it)
+    return col
+
+
+def _consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table | None:
+    """Sort-based consolidation; None when a key type cannot be sorted or compared.
+
+    1. sort the keys (floats by their bits, nulls last): equal rows become adjacent;
+    2. ``same[i]``: sorted row ``i + 1`` equals row ``i`` in every key (null equals null),
+       built key by key;
+    3. no equal neighbours (after any key): the input is already consolidated, returned
+       unsorted (no take of the rows);
+    4. else each run of equal rows starts where ``same`` is false: ``np.add.reduceat`` sums
+       its diffs and the run's first row stands for it.
+    """
+    names = [f"k{i}" for i in range(len(keys))]
     try:
-        out = table.group_by(list(keys), use_threads=True).aggregate([(DIFF, "sum")])
-    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
-        out = _consolidate_py(table, keys)
-    else:
-        out = out.rename_columns([*keys, DIFF])
-    out = out.select([*keys, DIFF])
-    return out.filter(pc.not_equal(out[DIFF], 0))
+        sk = pa.table([_bitwise(table[k]) for k in keys], names=names)
+        idx = pc.sort_indices(sk, [(n, "ascending") for n in names])
+        n = table.num_rows
+        same: pa.Array | None = None
+        for name in names if n > 1 else []:
+            # Column by column, stopping once no neighbours are equal so far: a unique
+            # leading column (an id) settles it without touching the others.
+            c = sk[name].combine_chunks().take(idx)
+            a, b = c.slice(1), c.slice(0, n - 1)
+            eq = pc.equal(a, b)
+            if eq.null_count:
+                eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
+            same = eq if same is None else pc.and_(same, eq)
+            if not pc.any(same).as_py():
+                return table.select([*keys, DIFF])
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
+        return None
+    if same is None:
+        return table.select([*keys, DIFF])
+    starts = np.flatnonzero(np.concatenate([[True], ~same.to_numpy(zero_copy_only=False)]))
+    order = idx.to_numpy()
+    diffs = table[DIFF].to_numpy()[order]
+    sums = np.add.reduceat(diffs, starts)
+    firsts = pa.array(order[starts])
+    out = table.select(list(keys)).take(firsts)
+    return out.append_column(DIFF, pa.array(sums, pa.int64()))
 
 
 def _consolidate_py(table: pa.Table, keys: Sequence[str]) -> pa.Table:
@@ -387,7 +452,8 @@ class Shard:
             return schema.empty_table()
 
         def one(k: str) -> pa.Table:
-            return pq.read_table(io.BytesIO(self.store.get(k))).cast(schema)
+            t = pq.read_table(io.BytesIO(self.store.get(k)))
+            return t if t.schema.equals(schema) else t.cast(schema)
 
         if len(keys) == 1:
             return one(keys[0])
@@ -564,9 +630,11 @@ class Shard:
         state = self._wait_readable(as_of, timeout_s)
         # Times only ever advance (to since <= as_of), so a batch whose lower is beyond
         # as_of holds nothing visible at as_of.
-        keys = [p.key for b in state.batches if b.lower.beyond(as_of) for p in b.parts]
-        table = self._read_parts(keys)
-        if table.num_rows:
+        visible = [b for b in state.batches if b.lower.beyond(as_of)]
+        table = self._read_parts([p.key for b in visible for p in b.parts])
+        # A batch's times are below its upper: when every upper is at most as_of + 1, every
+        # time is at or before as_of and the filter has nothing to drop.
+        if table.num_rows and not all(b.upper.less_equal(Frontier.at(as_of + 1)) for b in visible):
             table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
         return consolidate(table, [*self.row_columns, ERROR])
 
@@ -663,19 +731,30 @@ class Shard:
             advanced = pc.max_element_wise(table[TIME], pa.scalar(since.time, pa.uint64()))
             table = table.set_column(table.schema.get_field_index(TIME), TIME, advanced)
         table = consolidate(table, [*self.row_columns, ERROR, TIME]).select(self.part_schema.names)
-        table = table.cast(self.part_schema)
+        if table.schema != self.part_schema:
+            table = table.cast(self.part_schema)
         merged_since = since if not since.is_empty() else run[-1].since
         if table.num_rows == 0:
             return None
-        part = self._write_part(table)
         return BatchMeta(
             id=uuid.uuid4().hex,
             lower=run[0].lower,
             upper=run[-1].upper,
             since=merged_since,
-            parts=(part,),
+            parts=self._write_parts(table),
             rows=table.num_rows,
         )
+
+    def _write_parts(self, table: pa.Table, *, rows_per_part: int | None = None) -> tuple[Part, ...]:
+        """Write ``table`` as parts of at most ``rows_per_part`` rows (default
+        ``MERGE_ROWS_PER_PART``), encoded concurrently (Parquet encoding releases the GIL,
+        so a large merge uses every core)."""
+        rows_per_part = rows_per_part or MERGE_ROWS_PER_PART
+        slices = [table.slice(off, rows_per_part) for off in range(0, table.num_rows, rows_per_part)]
+        if len(slices) == 1:
+            return (self._write_part(slices[0]),)
+        with ThreadPoolExecutor(max_workers=min(self._io_threads, len(slices))) as ex:
+            return tuple(ex.map(self._write_part, slices))
 
     def _apply_merge_of(self, run: Sequence[BatchMeta], merged: BatchMeta | None) -> bool:
         token = uuid.uuid4().hex
