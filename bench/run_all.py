@@ -249,7 +249,8 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     row("controller `peek_1m_rows_s`", g(res, "bench-controller", "peek_1m_rows_s"), f"({fmt(g(res, 'bench-controller', 'peek_rows'))} rows)", "<=", 2)
     row("controller `subscribe_lag_p50_s`", g(res, "bench-controller", "subscribe_lag_p50_s"))
     row("controller `subscribe_lag_p99_s`", g(res, "bench-controller", "subscribe_lag_p99_s"))
-    row("controller `compaction_mb_per_s`", g(res, "bench-controller", "compaction_mb_per_s"))
+    row("controller `compaction_mb_per_s`", g(res, "bench-controller", "compaction_mb_per_s"), "", ">=", 100)
+    row("controller `spark_read_1m_rows_s` (Spark batch reader)", g(res, "bench-controller", "spark_read_1m_rows_s"), "", "<=", 2)
     for p in g(res, "bench-scale", "partitions") or []:
         row(f"scale: sink updates/s with {p['partitions']} partition(s)", p.get("updates_per_s"))
     for p in g(res, "bench-scale", "rate") or []:
