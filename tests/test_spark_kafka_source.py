@@ -21,6 +21,7 @@ from shared.io.spark_kafka import (
     offsets_from_json,
     offsets_to_json,
     pending,
+    read_range,
 )
 
 
@@ -95,6 +96,57 @@ def test_source_reads_every_record_in_order_per_partition(
     assert r0["headers"] == [{"key": "h", "value": r0["value"]}]
     r1 = next(r for r in rows if r["partition"] == 1)
     assert r1["headers"] is None and r1["timestamp"] is not None
+
+
+def test_skip_value_prefixes_drops_records_in_the_reader_and_keeps_offsets(
+    spark: Any, stack: EmbeddedStack, unique_id: str, tmp_path: Path
+) -> None:
+    topic, other = f"src-skip-{unique_id}", f"src-skip-other-{unique_id}"
+    create_topic(stack.bootstrap_servers, topic, 2)
+    create_topic(stack.bootstrap_servers, other, 1)
+    records = [(i % 2, (b"drop%03d" if i % 3 else b"keep%03d") % i) for i in range(120)]
+    produce(stack.bootstrap_servers, topic, records, rounds=3)
+    produce(stack.bootstrap_servers, other, [(0, b"drop-but-other-topic")])
+
+    df = source(spark, stack, [topic, other], skip_value_prefixes={topic: b"drop"}, max_records_per_trigger=25)
+    batches = run_available_now(df, tmp_path / "ckpt")
+    got = by_partition([r for b in batches for r in b])
+    for p in range(2):
+        mine = [v for part, v in records if part == p]
+        want = [(o, v) for o, v in enumerate(mine) if v.startswith(b"keep")]
+        assert 0 < len(want) < len(mine)  # the partition has records of both kinds
+        assert got[(topic, p)] == want
+    assert got[(other, 0)] == [(0, b"drop-but-other-topic")]
+    # a restart reads nothing again: the skipped records' offsets were consumed
+    produce(stack.bootstrap_servers, topic, [(0, b"keep-late")])
+    again = run_available_now(source(spark, stack, [topic, other], skip_value_prefixes={topic: b"drop"}), tmp_path / "ckpt")
+    assert [(r["partition"], r["value"]) for b in again for r in b] == [(0, b"keep-late")]
+
+
+def test_read_range_reuses_its_consumer_and_reads_exact_ranges(stack: EmbeddedStack, unique_id: str) -> None:
+    """Consecutive, overlapping and backward ranges of one partition in one process (the
+    pooled consumer is re-assigned each time) return exactly their offsets."""
+    import random
+
+    import shared.io.spark_kafka as sk
+
+    topic = f"src-pool-{unique_id}"
+    create_topic(stack.bootstrap_servers, topic, 1)
+    produce(stack.bootstrap_servers, topic, [(0, b"v%03d" % i) for i in range(300)], rounds=3)
+    settings = KafkaSettings.of(stack.bootstrap_servers)
+    rng = random.Random(5)
+    ranges = [(0, 1), (1, 100), (100, 300), (299, 300), (50, 60), (0, 300)]
+    ranges += [(s, min(300, s + rng.choice([1, 7, 150]))) for s in (rng.randrange(300) for _ in range(20))]
+    for s, e in ranges:
+        rows = [r for b in read_range(settings, topic, 0, s, e, batch_size=64) for r in b.to_pylist()]
+        assert [(r["offset"], r["value"]) for r in rows] == [(o, b"v%03d" % o) for o in range(s, e)]
+    assert sum(1 for k in sk._POOL if k[1] == topic) == 1  # one consumer served every range
+    # a reader that stops early closes its consumer instead of pooling it
+    g = read_range(settings, topic, 0, 0, 300, batch_size=10)
+    next(g)
+    assert not any(k[1] == topic for k in sk._POOL)
+    g.close()
+    assert not any(k[1] == topic for k in sk._POOL)
 
 
 def test_restarted_query_reads_each_record_once(

@@ -93,7 +93,19 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     minter = SinkMinter.create(sink, settings, topic_partition_count(settings.kafka, sink.desired_topic))
     if registry is not None:
         registry[sink.sink_id] = minter
-    df = kafka_read_stream(spark, settings.kafka, [sink.desired_topic, settings.frontiers_topic], starting_offsets="earliest")
+    from shared.codec import MARKER, message_codec
+
+    # Desired updates (union index 0 of the current desired schema) are dropped by the source
+    # on the executors: mint needs only progress statements (decode_partition drops them
+    # too, for the builtin connector and older schema versions).
+    update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
+    df = kafka_read_stream(
+        spark,
+        settings.kafka,
+        [sink.desired_topic, settings.frontiers_topic],
+        starting_offsets="earliest",
+        skip_value_prefixes={sink.desired_topic: update_prefix},
+    )
     desired_topic = sink.desired_topic
 
     def each(batch_df: Any, batch_id: int) -> None:

@@ -3,8 +3,11 @@ stages the difference for each batch description. It never appends.
 
 Contract (the seeds' write operator, with Kafka making order and completeness explicit):
 
-- inputs: the sink's desired topic (updates and progress, partitioned by row hash), ``descs``
-  (batch descriptions), ``frontiers`` (shard upper advances: a cue to read the shard back);
+- inputs: the sink's desired topic (updates and progress, partitioned by row hash) and
+  ``descs`` (batch descriptions). The shard is read back at every micro-batch, before any
+  description is decided, so ``frontiers`` is not read: an upper advance alone would cost a
+  micro-batch that decides nothing (the next description, minted only after mint saw that
+  upper, triggers the read-back it needs);
 - state: one :class:`shared.sink_state.WriteState` per writer partition (= desired topic
   partition), kept in **Spark's state store on the executors** (``applyInPandasWithState``
   keyed by writer partition) and checkpointed by Spark together with the source offsets.
@@ -533,7 +536,7 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
     df = kafka_read_stream(
         spark,
         settings.kafka,
-        [sink.desired_topic, settings.descs_topic, settings.frontiers_topic],
+        [sink.desired_topic, settings.descs_topic],
         starting_offsets="earliest",
         max_records_per_trigger=settings.max_records_per_trigger,
         history_gap_topics=[sink.desired_topic],

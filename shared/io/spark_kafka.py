@@ -35,6 +35,10 @@ watermarks: offsets ``[start, low)`` that retention deleted are skipped, and the
 range begins with one marker record (``value`` null, ``offset`` = the first lost offset, header
 ``shardsink-history-gap`` = ``"<from>-<to>"``). The write service uses it to prove, or refuse
 to assume, that it saw the whole desired history (retention safety).
+``skipValuePrefixes`` (``topic=hex`` pairs, comma list): records of ``topic`` whose value
+starts with those bytes are dropped inside ``read()``, on the executor, before they become
+rows (their offsets still count as read). The mint service uses it to drop desired updates
+(it needs only progress statements) without shipping them through Spark.
 ``simulatedLowWatermarksFile`` (tests only): a JSON file ``{topic: {partition: offset}}``
 read at every micro-batch; the source treats those offsets as the partitions' low watermarks
 (as if retention had deleted the records below them), because the embedded broker (Tansu)
@@ -280,6 +284,7 @@ class SourceOptions:
     timeout_s: float = 60.0
     history_gap_topics: tuple[str, ...] = ()
     simulated_low_watermarks_file: str | None = None
+    skip_value_prefixes: tuple[tuple[str, bytes], ...] = ()
 
     @staticmethod
     def parse(options: Mapping[str, str]) -> SourceOptions:
@@ -305,7 +310,32 @@ class SourceOptions:
                 t.strip() for t in str(low.get("historygaptopics", "")).split(",") if t.strip()
             ),
             simulated_low_watermarks_file=low.get("simulatedlowwatermarksfile") or None,
+            skip_value_prefixes=_parse_prefixes(str(low.get("skipvalueprefixes", ""))),
         )
+
+    def skip_prefix(self, topic: str) -> bytes | None:
+        for t, prefix in self.skip_value_prefixes:
+            if t == topic:
+                return prefix
+        return None
+
+
+def _parse_prefixes(raw: str) -> tuple[tuple[str, bytes], ...]:
+    out = []
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        topic, sep, hexed = item.strip().rpartition("=")
+        try:
+            prefix = bytes.fromhex(hexed)
+        except ValueError:
+            prefix = b""
+        if not sep or not topic or not prefix:
+            raise KafkaConfigError(
+                f"expected option 'skipValuePrefixes' as comma-separated topic=hex pairs, found {item!r}"
+            )
+        out.append((topic, prefix))
+    return tuple(out)
 
 
 class KafkaInputPartition(InputPartition):
@@ -482,6 +512,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             batch_size=o.records_per_arrow_batch,
             fail_on_data_loss=o.fail_on_data_loss,
             timeout_s=o.timeout_s,
+            skip_prefix=o.skip_prefix(partition.topic),
         )
 
 
@@ -520,6 +551,7 @@ def _with_gap_marker(
             batch_size=o.records_per_arrow_batch,
             fail_on_data_loss=o.fail_on_data_loss,
             timeout_s=o.timeout_s,
+            skip_prefix=o.skip_prefix(partition.topic),
         )
 
 
@@ -539,13 +571,15 @@ def read_range(
     batch_size: int = 20_000,
     fail_on_data_loss: bool = True,
     timeout_s: float = 60.0,
+    skip_prefix: bytes | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Exactly the records of ``topic``/``partition`` with offsets in ``[start, end)``, as
     RecordBatches of the source schema. Offsets may have gaps (compaction, transaction
     markers); the range ends at the first record at or beyond ``end`` or at end-of-partition
     beyond ``end - 1``. Raises :class:`KafkaTimeoutError` when nothing arrives for
     ``timeout_s`` and :class:`KafkaDataLossError` when ``start`` was deleted (unless
-    ``fail_on_data_loss`` is false: then it reads from the first available record)."""
+    ``fail_on_data_loss`` is false: then it reads from the first available record). With
+``skip_prefix``, records whose value starts with it are left out."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -556,15 +590,15 @@ def read_range(
     schema = _arrow_schema()
     htype = schema.field("headers").type
     tstype = schema.field("timestamp").type
-    consumer = new_consumer(
-        settings,
-        **{
-            "enable.partition.eof": "true",
-            "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
-            "fetch.wait.max.ms": "50",
-            "queued.min.messages": str(max(batch_size, 100_000)),
-        },
-    )
+    extra = {
+        "enable.partition.eof": "true",
+        "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
+        "fetch.wait.max.ms": "5",  # a re-assigned consumer waits out the fetch in flight
+        "queued.min.messages": str(max(batch_size, 100_000)),
+    }
+    pool_key = (repr(sorted(settings.config(**extra).items())), topic, partition)
+    consumer = _POOL.pop(pool_key, None) or new_consumer(settings, **extra)
+    pooled = False
 
     def build(keys: list[Any], vals: list[Any], offs: list[int], tss: list[Any],
               hdrs: list[Any], any_headers: bool) -> pa.RecordBatch:
@@ -600,8 +634,12 @@ def read_range(
         any_headers = False
         done = False
         idle_since = time.monotonic()
+        next_off = start
         while not done:
-            msgs = consumer.consume(num_messages=min(batch_size, 10_000), timeout=0.05)
+            # consume() waits until it has num_messages or the timeout passed: ask for no more
+            # than the range still holds, so a range without gaps returns as soon as it is there.
+            want = max(1, min(batch_size, 10_000, end - next_off))
+            msgs = consumer.consume(num_messages=want, timeout=0.05)
             if not msgs:
                 if time.monotonic() - idle_since > timeout_s:
                     raise KafkaTimeoutError(
@@ -631,8 +669,15 @@ def read_range(
                 if off >= end:
                     done = True
                     break
+                next_off = off + 1
+                val = m.value()
+                if skip_prefix is not None and val is not None and val.startswith(skip_prefix):
+                    if off == end - 1:
+                        done = True
+                        break
+                    continue
                 keys.append(m.key())
-                vals.append(m.value())
+                vals.append(val)
                 offs.append(off)
                 tt, t = m.timestamp()
                 tss.append(t if tt else None)
@@ -647,8 +692,22 @@ def read_range(
                 yield build(keys, vals, offs, tss, hdrs, any_headers)
                 keys, vals, offs, tss, hdrs = [], [], [], [], []
                 any_headers = False
+        # Read to the end: the consumer (connected, with the partition's metadata) serves the
+        # next micro-batch's range of this partition in this worker process.
+        consumer.unassign()  # stops fetching and drops what was prefetched beyond ``end``
+        _POOL[pool_key] = consumer
+        pooled = True
     finally:
-        consumer.close()
+        if not pooled:
+            consumer.close()
+
+
+#: Consumers kept between micro-batches, per (config, topic, partition), in each Python
+#: worker process (Spark reuses its Python workers): a new consumer costs a connection and a
+#: metadata round trip (about 50 ms per partition per micro-batch on the embedded broker).
+#: A consumer is taken out while in use, so one range never shares it with another; it is
+#: unassigned when a range is read to its end and assigned again at the next range's start. One used by a read that failed or stopped early is closed instead.
+_POOL: dict[tuple[str, str, int], Any] = {}
 
 
 # -- sink ----------------------------------------------------------------------------------
@@ -953,12 +1012,15 @@ def kafka_read_stream(
     connector: str | None = None,
     history_gap_topics: Sequence[str] = (),
     simulated_low_watermarks_file: str | None = None,
+    skip_value_prefixes: Mapping[str, bytes] | None = None,
 ) -> DataFrame:
     """A streaming DataFrame of Kafka records (columns as in the module docstring).
 
     ``connector`` (default: env ``SHARDSINK_SPARK_KAFKA_CONNECTOR``, else ``shardsink``):
     ``shardsink`` is this module's source; ``builtin`` is Spark's ``format("kafka")`` (needs
     the ``spark-sql-kafka`` jar; the headers column then follows Spark's connector).
+    ``skip_value_prefixes`` (``{topic: prefix}``): records to drop in the reader (ours only:
+    the builtin connector returns them, so callers must still filter).
     """
     if _connector(connector) == "builtin":
         r = (
@@ -984,6 +1046,8 @@ def kafka_read_stream(
         r = r.option("historyGapTopics", ",".join(history_gap_topics))
     if simulated_low_watermarks_file:
         r = r.option("simulatedLowWatermarksFile", simulated_low_watermarks_file)
+    if skip_value_prefixes:
+        r = r.option("skipValuePrefixes", ",".join(f"{t}={p.hex()}" for t, p in skip_value_prefixes.items()))
     return r.load()
 
 
