@@ -23,8 +23,10 @@ SHARDSINK_CATALOG_POLL_MS      --catalog-poll-ms       1000
 SHARDSINK_SPARK_MASTER         --master                local[2] (ignored under spark-submit)
 SHARDSINK_STAGED_GRACE_MS      --grace-ms              600000
 SHARDSINK_MAX_RECORDS_PER_TRIGGER --max-records-per-trigger 100000 (write: admission control)
+SHARDSINK_QUARANTINE_AFTER     --quarantine-after      3 (write: failures of one micro-batch before its input is quarantined; 0: never)
 SHARDSINK_FAULTS               -                       '' (test only: injected faults)
 SHARDSINK_TEST_LOW_WATERMARKS_FILE -                   '' (test only: simulated retention)
+SHARDSINK_TEST_FAIL_ON_ROW     -                       '' (test only: write fails on rows holding it)
 =============================  ======================  ==================================
 
 ``SHARDSINK_FAULTS`` is for fault campaigns (``bench/chaos.py``) only: a comma-separated list
@@ -88,6 +90,8 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_FAULTS": "test only: injected S3 and Kafka producer faults (bench/chaos.py)",
     "SHARDSINK_MAX_RECORDS_PER_TRIGGER": "most records the write query reads per micro-batch",
     "SHARDSINK_TEST_LOW_WATERMARKS_FILE": "test only: JSON of simulated low watermarks (retention)",
+    "SHARDSINK_QUARANTINE_AFTER": "failures of one write micro-batch before its input is quarantined",
+    "SHARDSINK_TEST_FAIL_ON_ROW": "test only: the write step fails on desired rows holding this text",
 }
 #: Prefixes of Kafka client options passed through to librdkafka (see shared/io/kafka.py).
 ENV_PREFIXES: tuple[str, ...] = ("SHARDSINK_KAFKA_SASL_", "SHARDSINK_KAFKA_SSL_", "SHARDSINK_KAFKA_OPTION_")
@@ -217,6 +221,11 @@ class ServiceSettings:
     max_records_per_trigger: int = 100_000
     #: Test only: a JSON file of simulated low watermarks (see shared.io.spark_kafka).
     simulated_low_watermarks_file: str | None = None
+    #: The write query's input is quarantined (its updates become error rows) after this many
+    #: failures of the same micro-batch; 0: never (retried forever, with backoff).
+    quarantine_after: int = 3
+    #: Test only: the write step raises on a desired row whose bytes hold this text.
+    test_fail_on_row: str | None = None
 
     def __post_init__(self) -> None:
         if self.trigger_ms < 0 or self.catalog_poll_ms <= 0:
@@ -239,6 +248,7 @@ class ServiceSettings:
         p.add_argument("--master", help="Spark master for local runs (SHARDSINK_SPARK_MASTER)")
         p.add_argument("--grace-ms", type=int)
         p.add_argument("--max-records-per-trigger", type=int)
+        p.add_argument("--quarantine-after", type=int)
         p.add_argument("--sink", action="append", default=[], help="serve only this sink (repeatable)")
 
     @staticmethod
@@ -274,6 +284,8 @@ class ServiceSettings:
             faults=faults_from_env(e),
             max_records_per_trigger=int(pick("max_records_per_trigger", "SHARDSINK_MAX_RECORDS_PER_TRIGGER", "100000")),
             simulated_low_watermarks_file=e.get("SHARDSINK_TEST_LOW_WATERMARKS_FILE") or None,
+            quarantine_after=int(pick("quarantine_after", "SHARDSINK_QUARANTINE_AFTER", "3")),
+            test_fail_on_row=e.get("SHARDSINK_TEST_FAIL_ON_ROW") or None,
         )
 
     # -- clients ---------------------------------------------------------------------------
@@ -390,6 +402,8 @@ class Supervisor:
     #: (see :func:`remove_checkpoints`); None: checkpoints are left alone.
     reap: Callable[[Callable[[str], bool]], Any] | None = None
     _reaped: bool = False
+    #: Called with the sink and the exception of a query that failed (before its restart).
+    on_failure: Callable[[SinkDef, Any], None] | None = None
 
     def _keep_checkpoint(self, name: str, live: dict[str, SinkDef]) -> bool:
         owner = checkpoint_owner(name)
@@ -444,6 +458,11 @@ class Supervisor:
                     self._failures[sink_id] = (n + 1, self.clock() + delay)
                     log.error("query failed, restarting in %.1fs: %s", delay, exc, extra={"sink_id": sink_id})
                     self.restarts += 1
+                    if self.on_failure is not None:
+                        try:
+                            self.on_failure(runner.sink, exc)
+                        except Exception as e:  # noqa: BLE001 - the supervisor must outlive it
+                            log.warning("handling the failure failed: %s", e, extra={"sink_id": sink_id})
                 self._stop_runner(runner)
                 del self.running[sink_id]
                 stopped = True

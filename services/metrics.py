@@ -8,7 +8,9 @@ Exported (labels ``sink`` or ``collection``):
   ``shardsink_write_contract_violations_total``, ``shardsink_write_batches_staged_total``,
   ``shardsink_write_correction_updates``, ``shardsink_write_correction_bytes``,
   ``shardsink_write_history_unproven_partitions`` (writer partitions refusing to write
-  because desired history they cannot prove they saw was lost to retention)
+  because desired history they cannot prove they saw was lost to retention),
+  ``shardsink_write_quarantined_ranges`` (desired ranges of micro-batches that kept failing,
+  decoded as error rows)
 - ``shardsink_append_batches_total``, ``shardsink_append_upper_mismatches_total``,
   ``shardsink_append_staged_deleted_total``
 - ``shardsink_shard_upper``, ``shardsink_shard_since``, ``shardsink_shard_upper_lag``
@@ -75,6 +77,13 @@ class ServicesCollector(Collector):
         )
         for sink_id, w in list(s.writers.items()):
             g.add_metric([sink_id], w.metrics.history_unproven_partitions)
+        yield g
+        g = GaugeMetricFamily(
+            "shardsink_write_quarantined_ranges",
+            "desired ranges quarantined to the error collection after repeated write failures", labels=["sink"],
+        )
+        for sink_id, w in list(s.writers.items()):
+            g.add_metric([sink_id], w.metrics.quarantined_ranges)
         yield g
         for field, name, doc in (
             ("appends", "batches", "batches appended"),

@@ -81,7 +81,7 @@ class Services:
     def start(self) -> Services:
         from services.append.service import start_append_query
         from services.mint.service import start_mint_query
-        from services.write.service import start_write_query
+        from services.write.service import on_write_failure, start_write_query
 
         ensure_control_topics(self.settings)
         s = self.settings
@@ -98,7 +98,10 @@ class Services:
             if name == "mint":
                 sup = Supervisor("mint", s, guarded(start_mint_query, self.minters), on_change=lambda sink: nudge(s, sink))
             elif name == "write":
-                sup = Supervisor("write", s, guarded(start_write_query, self.writers))
+                sup = Supervisor(
+                    "write", s, guarded(start_write_query, self.writers),
+                    on_failure=functools.partial(on_write_failure, self.spark, s),
+                )
             elif name == "append":
                 sup = Supervisor("append", s, guarded(start_append_query, self.appenders))
             else:

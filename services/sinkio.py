@@ -55,6 +55,7 @@ def decode_partition(
     *,
     progress_only: bool = False,
     route_to: int | None = None,
+    quarantine: list[tuple[int, int, int, str]] | None = None,
 ) -> Any:
     """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
 
@@ -73,6 +74,10 @@ def decode_partition(
     starts with ``wp``, the writer partition it goes to: a desired record goes to its topic
     partition, a control record (description, upper) is copied to every partition, and a
     history-gap marker of the source becomes a ``gap`` record (input with ``headers``).
+
+    ``quarantine``: ``(partition, start, end, reason)`` ranges of the desired topic whose
+    updates become ``bad`` records at their own time and diff (the write service's quarantine
+    of a micro-batch that kept failing); the error names the offset, the reason and the row.
     """
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -124,6 +129,11 @@ def decode_partition(
                                 except DecodeError as e:
                                     kind, row = KIND_BAD, None
                                     err = f"row does not match the collection schema at {topic}/{part}@{off}: {e}"
+                            if kind == KIND_UPDATE and quarantine:
+                                why = next((q[3] for q in quarantine if q[0] == part and q[1] <= off < q[2]), None)
+                                if why is not None:
+                                    kind, err = KIND_BAD, _quarantined(topic, part, off, why, row, row_codec)
+                                    row = None
                 copies = [None]
                 if route_to is not None:
                     copies = list(range(route_to)) if kind == KIND_CONTROL else [part]
@@ -151,6 +161,18 @@ ROUTED_SCHEMA = pa.schema(
     [pa.field("wp", pa.int32()), *DECODED_SCHEMA, pa.field("has_time", pa.bool_()), pa.field("has_diff", pa.bool_())]
 )
 ROUTED_DDL = "wp int, " + DECODED_DDL + ", has_time boolean, has_diff boolean"
+
+
+def _quarantined(topic: str, part: int, off: int, why: str, row: bytes | None, codec: Any) -> str:
+    import json
+
+    shown = "?"
+    if row is not None and codec is not None:
+        try:
+            shown = json.dumps(codec.decode(row), default=str, sort_keys=True)[:2000]
+        except Exception:  # noqa: BLE001 - the error row is written whatever the row holds
+            shown = row.hex()[:2000]
+    return f"quarantined at {topic}/{part}@{off} after repeated write failures ({why}): row {shown}"
 
 
 def _gap(headers: Any) -> tuple[int, int] | None:

@@ -453,6 +453,28 @@ def sink_health(store: ObjectStore, sink_id: str) -> dict[str, Any] | None:
         return None
 
 
+def quarantine_key(sink_id: str, epoch: int) -> str:
+    return f"{HEALTH_ROOT}/{sink_id}-e{epoch}.quarantine.json"
+
+
+def sink_quarantine(store: ObjectStore, sink_id: str, epoch: int) -> list[dict[str, Any]]:
+    """The input ranges the write service quarantined for a sink's epoch (each: ``topic``,
+    ``partition``, ``start``, ``end``, ``batch_id``, ``failures``, ``reason``, ``at_ms``)."""
+    from shared.errors import ObjectNotFoundError
+
+    try:
+        return list(json.loads(store.get(quarantine_key(sink_id, epoch)))["ranges"])
+    except ObjectNotFoundError:
+        return []
+
+
+def add_sink_quarantine(store: ObjectStore, sink_id: str, epoch: int, ranges: list[dict[str, Any]]) -> None:
+    """Record more quarantined ranges (one writer per sink: the write service's driver)."""
+    old = sink_quarantine(store, sink_id, epoch)
+    entries = [{**r, "at_ms": now_ms()} for r in ranges]
+    store.put(quarantine_key(sink_id, epoch), json.dumps({"sink_id": sink_id, "epoch": epoch, "ranges": old + entries}).encode())
+
+
 def allow_writes_transition(sink_id: str) -> Transition:
     def t(s: CatalogState) -> CatalogState:
         old = s.sink(sink_id)

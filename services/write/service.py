@@ -56,6 +56,19 @@ Retention safety (the contract; see README "Retention safety"):
 - a gap before anything was absorbed (a sink created on an empty collection, or an adopted
   baseline) is harmless: the sink writes what it reads, as before.
 
+Quarantine: a micro-batch that fails again and again on the same input (a value the code
+cannot handle, for example) would stall the sink for good. The supervisor reports each
+failure of the write query (:func:`on_write_failure`); when the same planned micro-batch (the
+checkpoint's pending offsets) failed ``quarantine_after`` times (default 3) with an error
+raised in the Python step that is not an infrastructure error (S3, Kafka, lost history,
+protocol), its desired topic ranges are recorded in the sink's quarantine object
+(``sink-health/<sink>-e<epoch>.quarantine.json``). The restarted query decodes the updates of
+those ranges as error rows at their own time (source offset, reason and the row as JSON in
+the error text), so they land in the error collection and the sink goes on; progress
+statements in the ranges keep counting. ``shardsink status`` and the metric
+``shardsink_write_quarantined_ranges`` show it. Quarantine never retracts: the rows never
+reach the correction buffer. Failures are counted per service process.
+
 Micro-batch order inside a writer partition's task (all on the executor):
 
 1. restore the state from the store (or start it: absorb the shard's snapshot, or adopt it);
@@ -131,6 +144,7 @@ class WriteMetrics:
     buffer_updates: int = 0
     buffer_bytes: int = 0
     history_unproven_partitions: int = 0
+    quarantined_ranges: int = 0
 
 
 @dataclass(frozen=True)
@@ -392,6 +406,10 @@ def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) ->
     t2 = clock()
     out: list[dict[str, Any]] = []
     descs: list[BatchDescription] = []
+    if table is not None and table.num_rows and job.settings.test_fail_on_row:
+        marker = job.settings.test_fail_on_row.encode()
+        if any(r is not None and marker in r for r in table["row"].to_pylist()):
+            raise RuntimeError(f"injected failure on a row holding {marker!r} (SHARDSINK_TEST_FAIL_ON_ROW)")
     if table is not None and table.num_rows:
         table = table.sort_by([("offset", "ascending")])
         desired = table.filter(pc.equal(table["topic"], job.sink.desired_topic))
@@ -542,8 +560,10 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
         history_gap_topics=[sink.desired_topic],
         simulated_low_watermarks_file=settings.simulated_low_watermarks_file,
     )
+    quarantined = load_quarantine(settings, sink)
+    writer.metrics.quarantined_ranges = len(quarantined)
     routed = df.select("topic", "partition", "offset", "value", "headers").mapInArrow(
-        decode_partition(sink.desired_topic, schema_json, route_to=partitions),
+        decode_partition(sink.desired_topic, schema_json, route_to=partitions, quarantine=quarantined),
         ROUTED_DDL,
     )
 
@@ -567,3 +587,128 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
         .queryName(f"write-{sink.sink_id}-{sink.epoch}")
         .start()
     )
+
+
+# -- quarantine ---------------------------------------------------------------------------------
+
+#: Errors of the infrastructure or of the protocol: retried (with backoff), never quarantined.
+_NOT_THE_INPUT = (
+    "StorageError", "ObjectStoreError", "IndeterminateError", "PreconditionFailedError",
+    "ConflictRetryError", "KafkaAdapterError", "KafkaUnavailableError", "KafkaTimeoutError",
+    "KafkaDeliveryError", "KafkaDataLossError", "KafkaConfigError", "HistoryUnprovenError",
+    "SinkProtocolError", "EndpointConnectionError", "ConnectionRefusedError", "MemoryError",
+)
+
+
+@dataclass
+class FailureCount:
+    batch_id: int
+    failures: int
+    reason: str
+
+
+#: Per (sink, epoch): consecutive failures of the same pending micro-batch (this process).
+_FAILURES: dict[tuple[str, int], FailureCount] = {}
+
+
+def load_quarantine(settings: ServiceSettings, sink: SinkDef) -> list[tuple[int, int, int, str]]:
+    """``(partition, start, end, reason)`` of the sink's quarantined desired ranges."""
+    from shared.catalog import sink_quarantine
+
+    return [
+        (int(r["partition"]), int(r["start"]), int(r["end"]), str(r["reason"]))
+        for r in sink_quarantine(settings.store(), sink.sink_id, sink.epoch)
+        if r.get("topic") == sink.desired_topic
+    ]
+
+
+def is_input_failure(exc: Any) -> bool:
+    """A failure raised by the write step's Python code that is not an infrastructure error."""
+    text = str(exc)
+    return "PythonException" in text and not any(name in text for name in _NOT_THE_INPUT)
+
+
+def failure_reason(exc: Any) -> str:
+    """The Python exception line of a failed query's error (``RuntimeError: ...``)."""
+    import re
+
+    text = str(exc)
+    lines = [
+        ln.strip() for ln in text.splitlines()
+        if re.match(r"\s*[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*:", ln)
+        and not ln.strip().startswith(("org.", "java.", "scala.", "py4j.", "pyspark.errors"))
+    ]
+    return (lines[-1] if lines else (text.splitlines() or [""])[0])[:300]
+
+
+def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+    """``(batch id, start offsets, end offsets)`` of the micro-batch a checkpoint planned and
+    did not commit (Spark's offset log: ``offsets/<id>`` without ``commits/<id>``)."""
+    jvm = spark.sparkContext._jvm
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    root = jvm.org.apache.hadoop.fs.Path(checkpoint)
+    fs = root.getFileSystem(conf)
+
+    def ids(sub: str) -> list[int]:
+        d = jvm.org.apache.hadoop.fs.Path(root, sub)
+        if not fs.exists(d):
+            return []
+        return sorted(int(st.getPath().getName()) for st in fs.listStatus(d) if st.getPath().getName().isdigit())
+
+    def offsets(batch_id: int) -> dict[str, Any]:
+        stream = fs.open(jvm.org.apache.hadoop.fs.Path(root, f"offsets/{batch_id}"))
+        try:
+            text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+        finally:
+            stream.close()
+        lines = str(text).splitlines()  # "v1", metadata, then one line per source
+        return dict(json.loads(lines[2])) if len(lines) > 2 and lines[2].strip() not in ("", "-") else {}
+
+    planned, committed = ids("offsets"), ids("commits")
+    if not planned or (committed and committed[-1] >= planned[-1]):
+        return None
+    last = planned[-1]
+    start = offsets(last - 1) if last - 1 in planned else {}
+    return last, start, offsets(last)
+
+
+def on_write_failure(spark: Any, settings: ServiceSettings, sink: SinkDef, exc: Any) -> list[dict[str, Any]]:
+    """The supervisor's failure hook of the write query: count failures of the same pending
+    micro-batch and quarantine its desired ranges after ``quarantine_after`` of them.
+    Returns the ranges quarantined now (empty when not yet, or not the input's fault)."""
+    from shared.catalog import add_sink_quarantine
+    from shared.io.spark_kafka import offsets_from_json
+
+    key = (sink.sink_id, sink.epoch)
+    if settings.quarantine_after <= 0 or not is_input_failure(exc):
+        _FAILURES.pop(key, None)
+        return []
+    pending = pending_batch(spark, checkpoint_path(settings, "write", sink))
+    if pending is None:
+        return []
+    batch_id, start_json, end_json = pending
+    reason = failure_reason(exc)
+    prev = _FAILURES.get(key)
+    count = prev.failures + 1 if prev is not None and prev.batch_id == batch_id else 1
+    _FAILURES[key] = FailureCount(batch_id, count, reason)
+    if count < settings.quarantine_after:
+        log.warning("write micro-batch %d failed %d time(s): %s", batch_id, count, reason, extra={"sink_id": sink.sink_id})
+        return []
+    start = offsets_from_json(start_json).get(sink.desired_topic, {})
+    end = offsets_from_json(end_json).get(sink.desired_topic, {})
+    ranges = [
+        {"topic": sink.desired_topic, "partition": p, "start": start.get(p, 0), "end": e,
+         "batch_id": batch_id, "failures": count, "reason": reason}
+        for p, e in sorted(end.items())
+        if e > start.get(p, 0)
+    ]
+    if ranges:
+        add_sink_quarantine(settings.store(), sink.sink_id, sink.epoch, ranges)
+        log.error(
+            "write micro-batch %d failed %d times on the same input: its desired ranges %s "
+            "are quarantined to the error collection: %s", batch_id, count,
+            [(r["partition"], r["start"], r["end"]) for r in ranges], reason,
+            extra={"sink_id": sink.sink_id},
+        )
+    _FAILURES.pop(key, None)
+    return ranges

@@ -494,6 +494,18 @@ def sink_refusals(s: Any, sinks: list[Any]) -> dict[str, str]:
     return out
 
 
+def sink_quarantines(s: Any, sinks: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """The desired ranges each sink's writer quarantined (its current epoch)."""
+    from shared.catalog import sink_quarantine
+
+    out = {}
+    for k in sinks:
+        q = sink_quarantine(s.store(), k.sink_id, k.epoch)
+        if q:
+            out[k.sink_id] = q
+    return out
+
+
 def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
     """One dict per live collection (see the module docstring)."""
     from shared.errors import ShardsinkError
@@ -528,6 +540,9 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
             health = sink_refusals(s, sinks)
             if health:
                 entry["refusing"] = health
+            quarantined = sink_quarantines(s, sinks)
+            if quarantined:
+                entry["quarantined"] = quarantined
             entry.update({
                 "upper": st.upper.to_json(),
                 "since": st.since.to_json(),
@@ -565,4 +580,12 @@ def _status(args: argparse.Namespace) -> int:
     for r in rows:
         for sid, msg in r.get("refusing", {}).items():
             print(f"error: sink {sid} refuses to write: {msg}", file=sys.stderr)
+        for sid, ranges in r.get("quarantined", {}).items():
+            rows = sum(int(q["end"]) - int(q["start"]) for q in ranges)
+            parts = ", ".join(f"{q['topic']}/{q['partition']}@[{q['start']},{q['end']})" for q in ranges)
+            print(
+                f"warning: sink {sid} quarantined {rows} desired offsets to the error collection "
+                f"after repeated write failures ({ranges[-1]['reason']}): {parts}",
+                file=sys.stderr,
+            )
     return 0

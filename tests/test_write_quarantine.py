@@ -1,0 +1,155 @@
+"""A write micro-batch that keeps failing on the same input is quarantined, not retried
+forever (issue 17): its desired updates land in the error collection, the sink goes on, and
+``status`` and the metrics say so.
+
+The real embedded stack and real Spark, with the harness of ``tests/test_sink_e2e.py``. The
+failure is injected with ``SHARDSINK_TEST_FAIL_ON_ROW``: the write step raises on any desired
+row holding ``POISON`` (a stand-in for a value the code cannot handle), on every retry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from services.common import ServiceSettings
+from services.runner import Services
+from services.write.service import is_input_failure
+from shardsink.cli.data import collection_status
+from shared.catalog import sink_quarantine
+from shared.embedded import EmbeddedStack
+from shared.io.desired_producer import DesiredProducer
+from tests.test_sink_e2e import DEADLINE_S, POLL_S, SCHEMA, Harness, shard_contents
+
+QUARANTINE_AFTER = 2
+
+
+@pytest.fixture(scope="module")
+def qh(stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    from shared.io.spark_kafka import register_kafka_source
+
+    register_kafka_source(spark)
+    tag = uuid.uuid4().hex[:8]
+    env = {
+        **os.environ,
+        **stack.env(),
+        "SHARDSINK_CHECKPOINT_DIR": str(tmp_path_factory.mktemp("quarantine-checkpoints")),
+        "SHARDSINK_CATALOG_POLL_MS": "300",
+        "SHARDSINK_TOPIC_DESCS": f"descs-{tag}",
+        "SHARDSINK_TOPIC_BATCHES": f"batches-{tag}",
+        "SHARDSINK_TOPIC_FRONTIERS": f"frontiers-{tag}",
+        "SHARDSINK_TEST_FAIL_ON_ROW": "POISON",
+        "SHARDSINK_QUARANTINE_AFTER": str(QUARANTINE_AFTER),
+    }
+    settings = ServiceSettings.from_env_and_args(None, env)
+    services = Services(settings, spark, ("mint", "write", "append")).start()
+    try:
+        yield Harness(settings, services)
+    finally:
+        services.stop()
+
+
+def wait_upper(h: Harness, shard: Any, sid: str, upper: int, deadline_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    while (shard.refresh().upper.time or 0) < upper:
+        assert time.monotonic() < deadline, (
+            f"expected the shard's upper to reach {upper}, found {shard.refresh().upper}; {h.diagnostics([sid])}"
+        )
+        time.sleep(POLL_S)
+
+
+def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harness, unique_id: str) -> None:
+    cid, sid, topic = f"q-{unique_id}", f"qs-{unique_id}", f"desired-q-{unique_id}"
+    shard = qh.collection(cid, SCHEMA, topic, partitions=2)
+    qh.sink(sid, topic, cid)
+    producer = DesiredProducer(qh.settings.kafka, topic, SCHEMA)
+
+    for k in range(10):
+        producer.send({"k": k, "v": "ok"}, 0, 1)
+    producer.advance_to(1)
+    wait_upper(qh, shard, sid, 1)
+    assert shard_contents(shard, 0).rows == {(k, "ok"): 1 for k in range(10)}
+
+    # Step 2 holds the poisoned row: every attempt of its micro-batch fails.
+    for k in range(10, 20):
+        producer.send({"k": k, "v": "ok"}, 1, 1)
+    producer.send({"k": 99, "v": "POISON"}, 1, 1)
+    producer.send({"k": 0, "v": "ok"}, 1, -1)  # a retraction in the quarantined batch
+    producer.advance_to(2)
+    # Step 3 comes later; the sink must get past the poisoned batch to reach it.
+    time.sleep(1.0)
+    for k in range(20, 30):
+        producer.send({"k": k, "v": "ok"}, 2, 1)
+    producer.advance_to(3)
+    wait_upper(qh, shard, sid, 3, deadline_s=3 * DEADLINE_S)
+
+    got = shard_contents(shard, 2)
+    quarantined = {e: d for e, d in got.errors.items() if "quarantined at " in e}
+    assert got.errors == quarantined, f"expected only quarantine errors, found {got.errors}"
+    poison = [e for e in quarantined if '"POISON"' in e]
+    assert len(poison) == 1 and quarantined[poison[0]] == 1, quarantined
+    assert f"{topic}/" in poison[0] and "(RuntimeError: injected failure" in poison[0], poison[0]
+    assert (99, "POISON") not in got.rows
+    # Nothing is lost: every good insert is in the shard or quarantined with its row; the
+    # rows of step 1 were committed before the failure and stay.
+    quarantined_rows = {}
+    for e, d in quarantined.items():
+        row = json.loads(e.split(": row ", 1)[1])
+        quarantined_rows[(row["k"], row["v"])] = quarantined_rows.get((row["k"], row["v"]), 0) + d
+    for k in range(30):
+        in_shard = got.rows.get((k, "ok"), 0)
+        assert in_shard in (0, 1), (k, in_shard)
+        if k == 0:
+            # inserted at 0 (committed), its retraction at 1 quarantined (diff -1 in the error)
+            assert in_shard == 1 and quarantined_rows.get((0, "ok")) == -1, quarantined_rows
+        elif in_shard == 0:
+            assert quarantined_rows.get((k, "ok")) == 1, f"row {k} is neither in the shard nor quarantined"
+        else:
+            assert (k, "ok") not in quarantined_rows
+    assert all(got.rows.get((k, "ok")) == 1 for k in range(1, 10))
+    assert all((k, "ok") in quarantined_rows for k in range(10, 20)), "the poisoned batch's rows"
+
+    sink = qh.settings.catalog().state().sink(sid)
+    ranges = sink_quarantine(qh.settings.store(), sid, sink.epoch)
+    assert ranges and all(r["topic"] == topic and r["end"] > r["start"] for r in ranges)
+    assert all(r["failures"] >= QUARANTINE_AFTER and r["reason"].startswith("RuntimeError: injected failure") for r in ranges)
+    assert qh.services.writers[sid].metrics.quarantined_ranges == len(ranges)
+    status = next(r for r in collection_status(qh.settings) if r["collection"] == cid)
+    assert status["quarantined"][sid] == ranges
+
+    # The sink keeps working after the quarantine.
+    producer.send({"k": 40, "v": "ok"}, 3, 1)
+    producer.advance_to(4)
+    wait_upper(qh, shard, sid, 4)
+    assert shard_contents(shard, 3).rows.get((40, "ok")) == 1
+
+
+def test_the_reason_is_the_python_exception_line() -> None:
+    from services.write.service import failure_reason
+
+    exc = (
+        "[STREAM_FAILED] Query [id = 1] terminated with exception: Job aborted\n"
+        "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "/x/service.py", line 9, in write_partition\n'
+        '    raise RuntimeError(f"injected failure")\n'
+        "RuntimeError: injected failure on a row\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(PythonRunner.scala:1)\n"
+    )
+    assert failure_reason(exc) == "RuntimeError: injected failure on a row"
+
+
+def test_only_failures_of_the_python_step_that_are_not_infrastructure_are_quarantined() -> None:
+    py = "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+    assert is_input_failure(py + "RuntimeError: injected failure")
+    assert is_input_failure(py + "KeyError: 'x'")
+    assert not is_input_failure(py + "shared.errors.ObjectStoreError: expected a PUT to succeed")
+    assert not is_input_failure(py + "shared.errors.KafkaTimeoutError: expected records")
+    assert not is_input_failure(py + "shared.errors.SinkProtocolError: partitions changed")
+    assert not is_input_failure("org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)")
+    assert not is_input_failure("java.lang.OutOfMemoryError: Java heap space")
