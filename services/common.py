@@ -87,6 +87,7 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_WIRE_FORMAT": "single-object (default) or confluent",
     "SHARDSINK_METRICS_PORT": "Prometheus metrics port",
     "PYSPARK_PYTHON": "Python interpreter of the Spark executors",
+    "PYSPARK_SUBMIT_ARGS": "spark-submit options of a service's driver (--conf ... pyspark-shell)",
     "SHARDSINK_FAULTS": "test only: injected S3 and Kafka producer faults (bench/chaos.py)",
     "SHARDSINK_MAX_RECORDS_PER_TRIGGER": "most records the write query reads per micro-batch",
     "SHARDSINK_TEST_LOW_WATERMARKS_FILE": "test only: JSON of simulated low watermarks (retention)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from services.common import REQUIRED_ENV, ServiceSettings, is_known_env
-from shared.embedded import EmbeddedStack, free_port
+from shared.embedded import EmbeddedStack, SparkStandalone, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -36,11 +37,26 @@ def compose() -> dict[str, Any]:
 
 
 def project_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The shardsink services (Python commands on the project's image)."""
     return {
         name: svc
         for name, svc in doc["services"].items()
-        if "build" in svc or str(svc.get("image", "")).split(":")[0] == PROJECT_IMAGE
+        if ("build" in svc or str(svc.get("image", "")).split(":")[0] == PROJECT_IMAGE)
+        and svc["command"][0] != "spark-class"
     }
+
+
+def spark_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The Spark standalone cluster's services (``spark-class`` on the project's image)."""
+    return {name: svc for name, svc in doc["services"].items() if svc.get("command", [""])[0] == "spark-class"}
+
+
+def submit_confs(env: dict[str, Any]) -> dict[str, str]:
+    """``--conf k=v`` pairs of a service's PYSPARK_SUBMIT_ARGS (which must end in pyspark-shell)."""
+    args = str(env.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")).split()
+    assert args[-1] == "pyspark-shell", f"expected PYSPARK_SUBMIT_ARGS to end with pyspark-shell, found {args}"
+    assert len(args[:-1]) % 2 == 0 and all(a == "--conf" for a in args[:-1:2]), args
+    return dict(a.split("=", 1) for a in args[1:-1:2])
 
 
 def module_of(command: list[str]) -> str:
@@ -93,6 +109,32 @@ def test_compose_services_run_existing_commands_with_known_settings() -> None:
     script = " ".join(doc["services"]["topics"]["entrypoint"])
     for topic in (defaults.descs_topic, defaults.batches_topic, defaults.frontiers_topic, "commands", "responses"):
         assert topic in script, f"topic {topic!r} is not created by the topics job"
+    # The Spark cluster: a master, workers that register with it and run executors on the
+    # project's image, and the sink drivers in client mode against it.
+    spark = spark_services(doc)
+    (master_name,) = [n for n, v in spark.items() if v["command"][1] == "org.apache.spark.deploy.master.Master"]
+    (worker_name,) = [n for n, v in spark.items() if v["command"][1] == "org.apache.spark.deploy.worker.Worker"]
+    master, worker = spark[master_name]["command"], spark[worker_name]["command"]
+    master_url = f"spark://{master[master.index('--host') + 1]}:{master[master.index('--port') + 1]}"
+    assert master[master.index("--host") + 1] == master_name
+    assert worker[-1] == master_url
+    assert str(spark[master_name]["image"]).split(":")[0] == PROJECT_IMAGE
+    assert str(spark[worker_name]["image"]).split(":")[0] == PROJECT_IMAGE
+    assert f"{master[master.index('--webui-port') + 1]}:" in " ".join(spark[master_name]["ports"])
+    assert spark[worker_name]["deploy"]["replicas"] >= 2
+    worker_cores = int(worker[worker.index("--cores") + 1]) * spark[worker_name]["deploy"]["replicas"]
+    wanted = 0
+    for name in SINK_SERVICES:
+        env = services[name]["environment"]
+        assert env["SHARDSINK_SPARK_MASTER"] == master_url
+        confs = submit_confs(env)
+        assert confs["spark.driver.host"] == name  # executors call the driver back by its name
+        wanted += int(confs["spark.cores.max"])
+    assert wanted <= worker_cores, f"the sink's applications want {wanted} cores, the workers have {worker_cores}"
+    # Executors write the write service's state into its checkpoint: same volume, same path.
+    write_env = services["write"]["environment"]
+    write_vol = next(v for v in services["write"]["volumes"] if v.endswith(":" + write_env["SHARDSINK_CHECKPOINT_DIR"]))
+    assert write_vol in spark[worker_name]["volumes"]
     assert doc["services"]["kafka"]["image"].startswith("apache/kafka:")
     assert doc["services"]["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
 
@@ -174,7 +216,35 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
     settings.catalog().create_sink(SinkDef(sink, topic, col))
     for t in ("commands", "responses"):  # compose's topics job creates these
         ensure_topic(settings.kafka, t, 1)
+    spark = spark_services(compose())
+    cluster_procs: list[subprocess.Popen[bytes]] = []
+    master_port, master_ui = free_port(), free_port()
+    master_url = f"spark://127.0.0.1:{master_port}"
+    spark_class = SparkStandalone.spark_class()
+
+    def local(cmd: list[str], name: str) -> list[str]:
+        """A compose Spark command with the hosts, ports and paths of this machine."""
+        out = [spark_class if c == "spark-class" else c for c in cmd]
+        for flag, value in (("--host", "127.0.0.1"), ("--port", str(master_port)), ("--webui-port", str(master_ui if "Master" in out[1] else free_port())),
+                            ("--work-dir", str(tmp_path / f"{name}-work"))):
+            if flag in out:
+                out[out.index(flag) + 1] = value
+        return [master_url if c.startswith("spark://") else c for c in out]
+
+    spark_env = {**base_env, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_NO_DAEMONIZE": "1"}
     try:
+        # The compose cluster: its master and its workers (as many as compose's replicas),
+        # from the very same commands.
+        for name, svc in sorted(spark.items(), key=lambda kv: "Worker" in kv[1]["command"][1]):
+            for i in range(int(svc.get("deploy", {}).get("replicas", 1))):
+                log = tmp_path / f"{name}-{i}.log"
+                cluster_procs.append(subprocess.Popen(local(svc["command"], f"{name}-{i}"), env=spark_env, stdout=open(log, "wb"),
+                                                      stderr=subprocess.STDOUT, start_new_session=True))
+            if "Master" in svc["command"][1]:
+                deadline = time.monotonic() + 120
+                while not _listening(master_port):
+                    assert time.monotonic() < deadline, "the Spark master did not start"
+                    time.sleep(0.5)
         for name in (*SINK_SERVICES, "controller"):
             svc = services[name]
             env = {**base_env, **{k: str(v) for k, v in svc["environment"].items()}}
@@ -182,6 +252,9 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
             env["SHARDSINK_KAFKA_BOOTSTRAP"] = stack.bootstrap_servers
             env["SHARDSINK_S3_ENDPOINT"] = stack.s3_endpoint
             env["SHARDSINK_CHECKPOINT_DIR"] = str(tmp_path / name)
+            if name in SINK_SERVICES:
+                env["SHARDSINK_SPARK_MASTER"] = master_url
+                env["PYSPARK_SUBMIT_ARGS"] = env["PYSPARK_SUBMIT_ARGS"].replace(f"spark.driver.host={name}", "spark.driver.host=127.0.0.1")
             ports[name] = free_port()
             env["SHARDSINK_METRICS_PORT"] = str(ports[name])
             env["SHARDSINK_CATALOG_POLL_MS"] = "300"
@@ -228,11 +301,35 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
             assert services[name]["environment"]["AWS_SECRET_ACCESS_KEY"] not in text
             if name != "controller":
                 assert f'"sink_id": "{sink}"' in text
+        # The sink ran on the cluster: each application registered with the master.
+        with urllib.request.urlopen(f"http://127.0.0.1:{master_ui}/json/", timeout=5) as r:
+            status = json.loads(r.read())
+        apps = [a["name"] for a in status["activeapps"] + status["completedapps"]]
+        assert len(apps) >= len(SINK_SERVICES), apps
+        assert status["aliveworkers"] == spark_workers(spark), status["aliveworkers"]
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for p in reversed(cluster_procs):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def spark_workers(spark: dict[str, dict[str, Any]]) -> int:
+    return sum(int(v.get("deploy", {}).get("replicas", 1)) for v in spark.values() if "Worker" in v["command"][1])
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.mark.docker
