@@ -147,6 +147,8 @@ def test_read_range_reuses_its_consumer_and_reads_exact_ranges(stack: EmbeddedSt
     assert not any(k[1] == topic for k in sk._POOL)
     g.close()
     assert not any(k[1] == topic for k in sk._POOL)
+    sk.close_pooled_consumers()
+    assert not sk._POOL
 
 
 def test_restarted_query_reads_each_record_once(

@@ -710,6 +710,20 @@ def read_range(
 _POOL: dict[tuple[str, str, int], Any] = {}
 
 
+def close_pooled_consumers() -> int:
+    """Close this process's pooled consumers (a long-lived process that read ranges directly
+    and is done with the broker). Returns how many were closed."""
+    n = 0
+    while _POOL:
+        _, consumer = _POOL.popitem()
+        try:
+            consumer.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        n += 1
+    return n
+
+
 # -- sink ----------------------------------------------------------------------------------
 
 
