@@ -88,6 +88,8 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_METRICS_PORT": "Prometheus metrics port",
     "PYSPARK_PYTHON": "Python interpreter of the Spark executors",
     "PYSPARK_SUBMIT_ARGS": "spark-submit options of a service's driver (--conf ... pyspark-shell)",
+    "POD_NAME": "Kubernetes: the pod's name, expanded into PYSPARK_SUBMIT_ARGS (deploy/k8s/overlays/cluster)",
+    "POD_NAMESPACE": "Kubernetes: the pod's namespace, expanded into PYSPARK_SUBMIT_ARGS",
     "SHARDSINK_FAULTS": "test only: injected S3 and Kafka producer faults (bench/chaos.py)",
     "SHARDSINK_MAX_RECORDS_PER_TRIGGER": "most records the write query reads per micro-batch",
     "SHARDSINK_TEST_LOW_WATERMARKS_FILE": "test only: JSON of simulated low watermarks (retention)",

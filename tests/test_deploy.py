@@ -71,11 +71,63 @@ def assert_runnable_module(module: str) -> None:
         assert importlib.util.find_spec(f"{module}.__main__") is not None, f"expected {module}.__main__"
 
 
-def k8s_docs() -> list[dict[str, Any]]:
+#: List items that strategic merge patches match by key (the fields our patches touch).
+MERGE_KEYS = {"containers": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def _merge(base: Any, patch: Any, key: str = "") -> Any:
+    """Kubernetes' strategic merge, for maps and the keyed lists of :data:`MERGE_KEYS`."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
+        mk = MERGE_KEYS[key]
+        out_list = list(base)
+        for item in patch:
+            i = next((j for j, b in enumerate(out_list) if b.get(mk) == item.get(mk)), None)
+            if i is None:
+                out_list.append(item)
+            else:
+                out_list[i] = _merge(out_list[i], item)
+        return out_list
+    return patch
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` for what our kustomizations use: resources (files and
+    directories), patches (strategic merge, matched by kind and name), namespace, images."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
     docs: list[dict[str, Any]] = []
-    for f in sorted(K8S.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    for r in k.get("resources", []):
+        path = (directory / r).resolve()
+        assert path.exists(), f"{directory}: resource {r} does not exist"
+        docs += kustomize(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for p in k.get("patches", []):
+        for patch in (d for d in yaml.safe_load_all((directory / p["path"]).read_text()) if d):
+            idx = [i for i, d in enumerate(docs) if (d["kind"], d["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])]
+            assert len(idx) == 1, f"{directory}: patch {p['path']} matches {len(idx)} resources"
+            docs[idx[0]] = _merge(docs[idx[0]], patch)
+    ns = k.get("namespace")
+    if ns:
+        for d in docs:
+            if d["kind"] != "Namespace":
+                d["metadata"]["namespace"] = ns
+    for img in k.get("images", []):
+        for d in docs:
+            if d["kind"] == "Deployment":
+                for c in d["spec"]["template"]["spec"]["containers"]:
+                    if c["image"].split(":")[0] == img["name"]:
+                        c["image"] = f"{img.get('newName', img['name'])}:{img['newTag']}"
     return docs
+
+
+OVERLAYS = ("local", "cluster")
+
+
+def k8s_docs(overlay: str = "local") -> list[dict[str, Any]]:
+    return kustomize(K8S / "overlays" / overlay)
 
 
 # -- static checks ---------------------------------------------------------------------------
@@ -139,21 +191,21 @@ def test_compose_services_run_existing_commands_with_known_settings() -> None:
     assert doc["services"]["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
 
 
-def test_kubernetes_manifests_match_the_services() -> None:
-    docs = k8s_docs()
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    listed = set(kustomization["resources"])
-    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    config = next(d for d in docs if d["kind"] == "ConfigMap")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert set(base["resources"]) == {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
+    docs = k8s_docs(overlay)
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "shardsink-config")
     secret = next(d for d in docs if d["kind"] == "Secret")
     assert all(is_known_env(k) for k in config["data"]), config["data"]
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     assert {f"shardsink-{s}" for s in (*SINK_SERVICES, "controller")} <= set(deployments)
-    image_names = {i["name"] for i in kustomization["images"]}
+    assert all(d["metadata"]["namespace"] == "shardsink" for d in docs if d["kind"] != "Namespace")
     for name, dep in deployments.items():
         pod = dep["spec"]["template"]
         (c,) = pod["spec"]["containers"]
-        assert c["image"] in image_names
+        assert c["image"] == "shardsink:latest"
         assert_runnable_module(module_of(c["command"]))
         env = {e["name"]: e.get("value") for e in c.get("env", [])}
         assert all(is_known_env(k) for k in env), env
@@ -161,7 +213,7 @@ def test_kubernetes_manifests_match_the_services() -> None:
         available = set(env) | set(config["data"])
         assert all(k in available for k in REQUIRED_ENV), f"{name} lacks {REQUIRED_ENV}"
         port = int(env["SHARDSINK_METRICS_PORT"])
-        assert [p["containerPort"] for p in c["ports"]] == [port]
+        assert port in [p["containerPort"] for p in c["ports"]]
         assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == port
         assert c["readinessProbe"]["httpGet"]["port"] == port
         # Credentials come from the mounted secret, never from plain env values.
@@ -171,6 +223,66 @@ def test_kubernetes_manifests_match_the_services() -> None:
         for var, key in (("AWS_ACCESS_KEY_ID_FILE", "access-key"), ("AWS_SECRET_ACCESS_KEY_FILE", "secret-key")):
             assert env[var] == f"{mounts['s3-credentials']}/{key}" and key in secret["stringData"]
         assert "AWS_SECRET_ACCESS_KEY" not in env
+    if overlay == "local":
+        assert config["data"]["SHARDSINK_SPARK_MASTER"].startswith("local[")
+        assert not any(d["kind"] in ("Role", "ServiceAccount") for d in docs)
+        return
+    # -- cluster: Spark on Kubernetes in client mode ------------------------------------------
+    assert config["data"]["SHARDSINK_SPARK_MASTER"] == "k8s://https://kubernetes.default.svc"
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"]}]
+    # Exactly what Spark's Kubernetes backend does as a client-mode driver.
+    assert {(tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"]} == {
+        (("pods",), tuple(sorted(["create", "get", "list", "watch", "delete", "deletecollection"]))),
+        (("configmaps",), tuple(sorted(["create", "get", "list", "delete", "deletecollection"]))),
+    }
+    assert all(r["apiGroups"] == [""] for r in role["rules"])
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    templates = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    for svc_name in SINK_SERVICES:
+        dep = deployments[f"shardsink-{svc_name}"]
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == sa["metadata"]["name"]
+        (c,) = spec["containers"]
+        names = [e["name"] for e in c["env"]]
+        confs = submit_confs({"PYSPARK_SUBMIT_ARGS": next(e["value"] for e in c["env"] if e["name"] == "PYSPARK_SUBMIT_ARGS")})
+        # $(VAR) expands only variables defined earlier in the list.
+        for var in ("POD_NAME", "POD_NAMESPACE"):
+            assert names.index(var) < names.index("PYSPARK_SUBMIT_ARGS")
+        assert confs["spark.kubernetes.container.image"] == c["image"]
+        assert confs["spark.kubernetes.namespace"] == "$(POD_NAMESPACE)"
+        assert confs["spark.kubernetes.driver.pod.name"] == "$(POD_NAME)"  # executors die with the driver pod
+        assert int(confs["spark.executor.instances"]) >= 1
+        host = confs["spark.driver.host"]
+        assert host.endswith(".$(POD_NAMESPACE).svc")
+        headless = services[host.split(".")[0]]
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+        fixed = {int(confs["spark.driver.port"]), int(confs["spark.blockManager.port"])}
+        assert {p["port"] for p in headless["spec"]["ports"]} == fixed
+        assert fixed <= {p["containerPort"] for p in c["ports"]}
+        # The executor pod template is mounted where the conf says.
+        tpl_path = Path(confs["spark.kubernetes.executor.podTemplateFile"])
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(tpl_path.parent))
+        vol = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        tpl = yaml.safe_load(templates[vol["configMap"]["name"]]["data"][tpl_path.name])
+        assert tpl["kind"] == "Pod"
+    # Executors write the write service's state: they mount its claim at the drivers' path,
+    # and the claim is ReadWriteMany.
+    (ex,) = tpl["spec"]["containers"]
+    ex_mounts = {m["name"]: m["mountPath"] for m in ex["volumeMounts"]}
+    ex_vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
+    claim = next(v["persistentVolumeClaim"]["claimName"] for v in ex_vols.values() if "persistentVolumeClaim" in v)
+    assert ex_mounts[next(n for n, v in ex_vols.items() if "persistentVolumeClaim" in v)] == config["data"]["SHARDSINK_CHECKPOINT_DIR"]
+    write_vols = deployments["shardsink-write"]["spec"]["template"]["spec"]["volumes"]
+    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == claim for v in write_vols)
+    assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert ex_vols["s3-credentials"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert all(is_known_env(e["name"]) for e in ex["env"])
 
 
 def test_dockerfile_copies_what_the_services_import_and_sets_known_settings() -> None:
