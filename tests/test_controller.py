@@ -258,6 +258,40 @@ def test_sinks_are_created_allowed_and_dropped_through_the_catalog(running: Any)
                                                     "as_of": 0, "read_only": False, "options": {}})) == "IdentifierReused"
 
 
+def test_a_direct_append_into_a_collection_with_a_sink_is_refused_and_leaves_nothing(running: Any) -> None:
+    ctl, client, cs = running
+    ok(client.call("CreateCollection", create_body("sinked")))
+    ok(client.call("Append", append_body("sinked", _rows(2, 0), 1)))  # no sink yet: appended
+    ok(client.call("CreateSink", {"sink_id": "sinked-s", "collection_id": "sinked", "desired_topic": "desired-sinked",
+                                  "as_of": None, "read_only": True, "options": {}}))
+    r = client.call("Append", append_body("sinked", _rows(3, 1, start=10), 2))
+    assert error_kind_of(r) == "InvalidUsage", r
+    body = r["body"][1]
+    assert "sinked-s" in body["message"] and "nothing was appended" in body["message"], body
+    shard = Shard(cs.service.store(), "sinked")
+    assert shard.refresh().upper.time == 1
+    assert peek_rows(client.call("Peek", {"collection_id": "sinked", "as_of": 0})) == Counter({(i, f"v{i}"): 1 for i in range(2)})
+    ok(client.call("DropSink", {"sink_id": "sinked-s"}))
+    assert results(client.call("Append", append_body("sinked", _rows(3, 1, start=10), 2)))["upper"] == 2
+
+
+def test_a_read_policy_below_the_since_is_refused_and_the_ack_says_the_since(running: Any) -> None:
+    ctl, client, cs = running
+    ok(client.call("CreateCollection", create_body("pol", since=3)))
+    ok(client.call("Append", append_body("pol", _rows(2, 3), 6)))
+    shard = Shard(cs.service.store(), "pol")
+    r = results(client.call("SetReadPolicy", {"collection_id": "pol", "policy": valid_from(4)}))
+    assert r["since"] == 3 and r["policy"]["kind"] == "valid_from", r  # the since when it answered
+    _wait(lambda: shard.refresh().since.time == 4)
+    for policy in (valid_from(2), lag(5)):  # implies 2 and 6 - 5 = 1: both below since 4
+        refused = client.call("SetReadPolicy", {"collection_id": "pol", "policy": policy})
+        assert error_kind_of(refused) == "ReadBeforeSince", refused
+        assert "was not changed" in refused["body"][1]["message"]
+    assert cs.service.catalog().state().collection("pol").read_policy["kind"] == "valid_from"
+    assert cs.service.catalog().state().collection("pol").read_policy == r["policy"]
+    ok(client.call("SetReadPolicy", {"collection_id": "pol", "policy": lag(2)}))  # implies 4: fine
+
+
 def test_a_newer_controller_fences_the_older_one(stack: EmbeddedStack) -> None:
     cs = controller_settings(stack)
     old = Controller(cs).start()

@@ -88,8 +88,20 @@ class CollectionsRoom(CommandLoop):
         policy = policy_from_avro(b["policy"])
         alter = alter_collection_transition(b["collection_id"], policy.to_json())
         alter(self.catalog.state())
+        # A policy that reaches below the since cannot bring compacted history back: refused,
+        # rather than acknowledged as if it took effect. The answer says what the since is.
+        state = self.collections[b["collection_id"]].shard.refresh()
+        implied = policy.implied(state.upper)
+        if not state.since.less_equal(implied):
+            raise CommandRejected(
+                "ReadBeforeSince",
+                f"expected a read policy whose since is at or above collection "
+                f"{b['collection_id']!r}'s since {state.since!r}, found one that implies "
+                f"{implied!r}: history below the since was compacted away; the policy was not changed",
+                collection_id=b["collection_id"], since=state.since.to_json(), implied=implied.to_json(),
+            )
         self._answer(
-            cid, self._ack(cid, collection_id=b["collection_id"], policy=policy.to_json()),
+            cid, self._ack(cid, collection_id=b["collection_id"], policy=policy.to_json(), since=state.since.to_json()),
             where=where, offset=off, change=lambda s, sec: alter(s),
         )
 
@@ -163,6 +175,18 @@ class CollectionsRoom(CommandLoop):
         token = f"cmd-{digest(cid)}"
         state = col.shard.refresh()
         if state.find_token(token) is None:
+            # A sink corrects its collection to its desired topic: rows appended here would be
+            # retracted at its next step, silently. Refused while any sink is defined on it.
+            sinks = sorted(k.sink_id for k in self.catalog.state().live_sinks() if k.collection_id == collection_id)
+            if sinks:
+                raise CommandRejected(
+                    "InvalidUsage",
+                    f"expected no sink on collection {collection_id!r} for a direct append, found "
+                    f"{sinks}: a sink corrects the collection to its desired topic, so appended rows "
+                    f"would be retracted at its next step. Produce them to the sink's desired topic "
+                    f"(shardsink produce), or drop the sink first; nothing was appended",
+                    collection_id=collection_id, sinks=sinks,
+                )
             expected = state.upper if b.get("expected_upper") is None else Frontier.at(int(b["expected_upper"]))
             new = Frontier.from_json(b.get("new_upper"))
             rows = []
