@@ -20,12 +20,12 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
 - bad input (undecodable messages, rows that do not match the schema, updates below their
   partition's progress) becomes error rows at their time, in the shard's error collection.
 
-Where the work runs. Executors: decoding (one task per Kafka partition, ``mapInArrow``, which
-also routes each record to its writer partition and copies control messages to every
-partition), then one task per writer partition that absorbs the desired updates, reads the
-shard back, consolidates, decides and stages Parquet objects to S3. A partition's own staged
-objects come back from its state when they are appended (no read, no re-encode); only
-objects written by others (a racing replica, the controller's ``Append``, compaction) are
+Where the work runs. Executors: decoding (one task per Kafka partition, inside the source's
+``read()``: :mod:`services.write.source`; it also routes each record to its writer partition
+and copies control messages to every partition), then one task per writer partition that
+absorbs the desired updates, reads the shard back, consolidates, decides and stages Parquet
+objects to S3. A partition's own staged objects come back from its state when they are
+appended (no read, no re-encode); only objects written by others (a racing replica, the controller's ``Append``, compaction) are
 read and routed row by row. The driver sees only the reports (one small row per partition per
 description) and produces them.
 
@@ -551,6 +551,12 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
     if registry is not None:
         registry[sink.sink_id] = writer
     job = WriteJob(sink, settings, partitions, schema_json, settings.descs_topic)
+    from services.write.source import desired_source
+    from shared.io.spark_kafka import _connector
+
+    quarantined = load_quarantine(settings, sink)
+    writer.metrics.quarantined_ranges = len(quarantined)
+    builtin = _connector(None) == "builtin"
     df = kafka_read_stream(
         spark,
         settings.kafka,
@@ -559,13 +565,16 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
         max_records_per_trigger=settings.max_records_per_trigger,
         history_gap_topics=[sink.desired_topic],
         simulated_low_watermarks_file=settings.simulated_low_watermarks_file,
+        # ours: decoded and routed inside the source's read(), one Python pass per record
+        source=None if builtin else desired_source(sink.desired_topic, schema_json, partitions, quarantined),
     )
-    quarantined = load_quarantine(settings, sink)
-    writer.metrics.quarantined_ranges = len(quarantined)
-    routed = df.select("topic", "partition", "offset", "value", "headers").mapInArrow(
-        decode_partition(sink.desired_topic, schema_json, route_to=partitions, quarantine=quarantined),
-        ROUTED_DDL,
-    )
+    if builtin:
+        routed = df.select("topic", "partition", "offset", "value", "headers").mapInArrow(
+            decode_partition(sink.desired_topic, schema_json, route_to=partitions, quarantine=quarantined),
+            ROUTED_DDL,
+        )
+    else:
+        routed = df
 
     def fn(key: Any, pdfs: Iterator[Any], state: Any) -> Iterator[Any]:
         return write_partition(job, key, pdfs, state)

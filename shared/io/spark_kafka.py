@@ -1027,8 +1027,12 @@ def kafka_read_stream(
     history_gap_topics: Sequence[str] = (),
     simulated_low_watermarks_file: str | None = None,
     skip_value_prefixes: Mapping[str, bytes] | None = None,
+    source: tuple[str, Any, Mapping[str, str]] | None = None,
 ) -> DataFrame:
     """A streaming DataFrame of Kafka records (columns as in the module docstring).
+
+    ``source`` (ours only): ``(name, DataSource class, extra options)`` of a data source built
+    on this one (same options, its own schema), used instead of ``shardsink-kafka``.
 
     ``connector`` (default: env ``SHARDSINK_SPARK_KAFKA_CONNECTOR``, else ``shardsink``):
     ``shardsink`` is this module's source; ``builtin`` is Spark's ``format("kafka")`` (needs
@@ -1050,7 +1054,11 @@ def kafka_read_stream(
             r = r.option("maxOffsetsPerTrigger", str(max_records_per_trigger))
         return r.load()
     register_kafka_source(spark)
-    r = spark.readStream.format(SOURCE_NAME).option("topics", ",".join(topics))
+    if source is not None:
+        spark.dataSource.register(source[1])
+    r = spark.readStream.format(source[0] if source else SOURCE_NAME).option("topics", ",".join(topics))
+    for k, v in (source[2] if source else {}).items():
+        r = r.option(k, v)
     r = r.option("startingOffsets", starting_offsets)
     for k, v in settings.to_options().items():
         r = r.option(k, v)
