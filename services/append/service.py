@@ -33,7 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path
+from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded
 from shared.catalog import SinkDef
 from shared.codec import message_codec
@@ -175,7 +175,7 @@ def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, reg
         appender.process(collect_decoded(batch_df, None))
 
     return (
-        df.writeStream.foreachBatch(each)
+        df.writeStream.foreachBatch(interruptible(each))
         .option("checkpointLocation", checkpoint_path(settings, "append", sink))
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"append-{sink.sink_id}-{sink.epoch}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path
+from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.sinkio import KIND_PROGRESS, ControlProducer, collect_decoded, u64
 from shared.catalog import SinkDef
 from shared.codec import message_codec
@@ -112,7 +112,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         minter.process(collect_decoded(batch_df, desired_topic, progress_only=True))
 
     return (
-        df.writeStream.foreachBatch(each)
+        df.writeStream.foreachBatch(interruptible(each))
         .option("checkpointLocation", checkpoint_path(settings, "mint", sink))
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"mint-{sink.sink_id}-{sink.epoch}")

@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path
+from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.sinkio import (
     KIND_BAD,
     KIND_CONTROL,
@@ -590,7 +590,7 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
     # partition, so each partition's state lives in its own task.
     spark.conf.set("spark.sql.shuffle.partitions", str(max(1, partitions)))
     return (
-        reports.writeStream.foreachBatch(each)
+        reports.writeStream.foreachBatch(interruptible(each))
         .option("checkpointLocation", checkpoint_path(settings, "write", sink))
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"write-{sink.sink_id}-{sink.epoch}")
