@@ -202,10 +202,13 @@ def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     assert {f"shardsink-{s}" for s in (*SINK_SERVICES, "controller")} <= set(deployments)
     assert all(d["metadata"]["namespace"] == "shardsink" for d in docs if d["kind"] != "Namespace")
+    kustomization = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    images = kustomization.get("images") or base["images"]
+    image_names = {f"{i.get('newName', i['name'])}:{i['newTag']}" for i in images}
     for name, dep in deployments.items():
         pod = dep["spec"]["template"]
         (c,) = pod["spec"]["containers"]
-        assert c["image"] == "shardsink:latest"
+        assert c["image"] in image_names
         assert_runnable_module(module_of(c["command"]))
         env = {e["name"]: e.get("value") for e in c.get("env", [])}
         assert all(is_known_env(k) for k in env), env
@@ -213,7 +216,9 @@ def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
         available = set(env) | set(config["data"])
         assert all(k in available for k in REQUIRED_ENV), f"{name} lacks {REQUIRED_ENV}"
         port = int(env["SHARDSINK_METRICS_PORT"])
-        assert port in [p["containerPort"] for p in c["ports"]]
+        # The metrics port, and in the cluster overlay a driver's two callback ports.
+        driver_ports = [] if overlay == "local" or name == "shardsink-controller" else [7078, 7079]
+        assert [p["containerPort"] for p in c["ports"]] == [port, *driver_ports]
         assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == port
         assert c["readinessProbe"]["httpGet"]["port"] == port
         # Credentials come from the mounted secret, never from plain env values.
