@@ -581,13 +581,16 @@ def checkpoint_path(settings: ServiceSettings, service: str, sink: SinkDef) -> s
     return f"{settings.checkpoint_dir.rstrip('/')}/{service}/{name}"
 
 
+def hadoop_path(spark: Any, path: str) -> tuple[Any, Any]:
+    """``(FileSystem, Path)`` of a checkpoint path through Hadoop (local paths and ``s3a://``)."""
+    p = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(path)
+    return p.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), p
+
+
 def remove_checkpoints(spark: Any, settings: ServiceSettings, service: str, keep: Callable[[str], bool]) -> list[str]:
     """Delete the checkpoints under ``<root>/<service>/`` whose name ``keep`` rejects
     (through Hadoop's FileSystem, so local paths and ``s3a://`` alike). Returns them."""
-    jvm = spark.sparkContext._jvm
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    root = jvm.org.apache.hadoop.fs.Path(f"{settings.checkpoint_dir.rstrip('/')}/{service}")
-    fs = root.getFileSystem(conf)
+    fs, root = hadoop_path(spark, f"{settings.checkpoint_dir.rstrip('/')}/{service}")
     if not fs.exists(root):
         return []
     gone = []

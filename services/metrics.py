@@ -71,20 +71,14 @@ class ServicesCollector(Collector):
             for sink_id, w in list(s.writers.items()):
                 g.add_metric([sink_id], getattr(w.metrics, field))
             yield g
-        g = GaugeMetricFamily(
-            "shardsink_write_history_unproven_partitions",
-            "writer partitions refusing to write: desired history lost to retention", labels=["sink"],
-        )
-        for sink_id, w in list(s.writers.items()):
-            g.add_metric([sink_id], w.metrics.history_unproven_partitions)
-        yield g
-        g = GaugeMetricFamily(
-            "shardsink_write_quarantined_ranges",
-            "desired ranges quarantined to the error collection after repeated write failures", labels=["sink"],
-        )
-        for sink_id, w in list(s.writers.items()):
-            g.add_metric([sink_id], w.metrics.quarantined_ranges)
-        yield g
+        for field, doc in (
+            ("history_unproven_partitions", "writer partitions refusing to write: desired history lost to retention"),
+            ("quarantined_ranges", "desired ranges quarantined to the error collection after repeated write failures"),
+        ):
+            g = GaugeMetricFamily(f"shardsink_write_{field}", doc, labels=["sink"])
+            for sink_id, w in list(s.writers.items()):
+                g.add_metric([sink_id], getattr(w.metrics, field))
+            yield g
         for field, name, doc in (
             ("appends", "batches", "batches appended"),
             ("upper_mismatches", "upper_mismatches", "compare_and_append upper mismatches"),

@@ -14,6 +14,7 @@ metrics in the message; nothing asserts on elapsed time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -364,11 +365,12 @@ class Harness:
             time.sleep(POLL_S)
 
 
-@pytest.fixture(scope="module")
-def running(
-    stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def services_harness(
+    stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFactory, **extra_env: str
 ) -> Iterator[Harness]:
-    """One Services (mint, write, append) for the module, started before any sink exists."""
+    """One Services (mint, write, append), started before any sink exists, on control topics
+    of its own (no backlog of other tests to read); ``extra_env`` adds settings."""
     from shared.io.spark_kafka import register_kafka_source
 
     register_kafka_source(spark)
@@ -378,10 +380,10 @@ def running(
         **stack.env(),
         "SHARDSINK_CHECKPOINT_DIR": str(tmp_path_factory.mktemp("sink-e2e-checkpoints")),
         "SHARDSINK_CATALOG_POLL_MS": "300",
-        # control topics of this module only: no backlog of other tests to read
         "SHARDSINK_TOPIC_DESCS": f"descs-{tag}",
         "SHARDSINK_TOPIC_BATCHES": f"batches-{tag}",
         "SHARDSINK_TOPIC_FRONTIERS": f"frontiers-{tag}",
+        **extra_env,
     }
     settings = ServiceSettings.from_env_and_args(None, env)
     services = Services(settings, spark, ("mint", "write", "append")).start()
@@ -389,6 +391,15 @@ def running(
         yield Harness(settings, services)
     finally:
         services.stop()
+
+
+@pytest.fixture(scope="module")
+def running(
+    stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Harness]:
+    """One Services (mint, write, append) for the module, started before any sink exists."""
+    with services_harness(stack, spark, tmp_path_factory) as harness:
+        yield harness
 
 
 @pytest.fixture

@@ -10,58 +10,34 @@ row holding ``POISON`` (a stand-in for a value the code cannot handle), on every
 from __future__ import annotations
 
 import json
-import os
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from services.common import ServiceSettings
-from services.runner import Services
 from services.write.service import is_input_failure
 from shardsink.cli.data import collection_status
 from shared.catalog import sink_quarantine
 from shared.embedded import EmbeddedStack
 from shared.io.desired_producer import DesiredProducer
-from tests.test_sink_e2e import DEADLINE_S, POLL_S, SCHEMA, Harness, shard_contents
+from tests.test_sink_e2e import DEADLINE_S, SCHEMA, Harness, services_harness, shard_contents
 
 QUARANTINE_AFTER = 2
 
 
 @pytest.fixture(scope="module")
 def qh(stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    from shared.io.spark_kafka import register_kafka_source
-
-    register_kafka_source(spark)
-    tag = uuid.uuid4().hex[:8]
-    env = {
-        **os.environ,
-        **stack.env(),
-        "SHARDSINK_CHECKPOINT_DIR": str(tmp_path_factory.mktemp("quarantine-checkpoints")),
-        "SHARDSINK_CATALOG_POLL_MS": "300",
-        "SHARDSINK_TOPIC_DESCS": f"descs-{tag}",
-        "SHARDSINK_TOPIC_BATCHES": f"batches-{tag}",
-        "SHARDSINK_TOPIC_FRONTIERS": f"frontiers-{tag}",
-        "SHARDSINK_TEST_FAIL_ON_ROW": "POISON",
-        "SHARDSINK_QUARANTINE_AFTER": str(QUARANTINE_AFTER),
-    }
-    settings = ServiceSettings.from_env_and_args(None, env)
-    services = Services(settings, spark, ("mint", "write", "append")).start()
-    try:
-        yield Harness(settings, services)
-    finally:
-        services.stop()
+    with services_harness(
+        stack, spark, tmp_path_factory,
+        SHARDSINK_TEST_FAIL_ON_ROW="POISON", SHARDSINK_QUARANTINE_AFTER=str(QUARANTINE_AFTER),
+    ) as harness:
+        yield harness
 
 
 def wait_upper(h: Harness, shard: Any, sid: str, upper: int, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while (shard.refresh().upper.time or 0) < upper:
-        assert time.monotonic() < deadline, (
-            f"expected the shard's upper to reach {upper}, found {shard.refresh().upper}; {h.diagnostics([sid])}"
-        )
-        time.sleep(POLL_S)
+    h.wait_for(f"the shard's upper at {upper}", lambda: (shard.refresh().upper.time or 0) >= upper, [sid],
+               detail=lambda: f"(found {shard.refresh().upper})", deadline_s=deadline_s)
 
 
 def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harness, unique_id: str) -> None:

@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, interruptible
+from services.common import ServiceSettings, checkpoint_path, hadoop_path, interruptible
 from services.sinkio import (
     KIND_BAD,
     KIND_CONTROL,
@@ -654,9 +654,7 @@ def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dic
     """``(batch id, start offsets, end offsets)`` of the micro-batch a checkpoint planned and
     did not commit (Spark's offset log: ``offsets/<id>`` without ``commits/<id>``)."""
     jvm = spark.sparkContext._jvm
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    root = jvm.org.apache.hadoop.fs.Path(checkpoint)
-    fs = root.getFileSystem(conf)
+    fs, root = hadoop_path(spark, checkpoint)
 
     def ids(sub: str) -> list[int]:
         d = jvm.org.apache.hadoop.fs.Path(root, sub)
