@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet -e '.[test]'
+	$(VPY) -m services.jvm build || echo "no class-data archive: Spark drivers start without it"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -56,6 +56,7 @@ def decode_partition(
     progress_only: bool = False,
     route_to: int | None = None,
     quarantine: list[tuple[int, int, int, str]] | None = None,
+    executor: bool = True,
 ) -> Any:
     """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
 
@@ -78,6 +79,9 @@ def decode_partition(
     ``quarantine``: ``(partition, start, end, reason)`` ranges of the desired topic whose
     updates become ``bad`` records at their own time and diff (the write service's quarantine
     of a micro-batch that kept failing); the error names the offset, the reason and the row.
+
+    ``executor``: the function runs in a Spark worker (it settles the worker's heap first,
+    :mod:`shared.io.worker_heap`); False when it runs on the driver.
     """
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -86,7 +90,10 @@ def decode_partition(
         from shared.codec import MARKER, RowCodec, message_codec
         from shared.desired import DesiredProgress, decode_desired
         from shared.errors import DecodeError
+        if executor:
+            from shared.io.worker_heap import settle
 
+            settle()
         row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
         update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
         out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
@@ -187,13 +194,27 @@ def _gap(headers: Any) -> tuple[int, int] | None:
 
 
 def collect_decoded(
-    df: Any, desired_topic: str | None, *, row_schema_json: str | None = None, progress_only: bool = False
+    df: Any,
+    desired_topic: str | None,
+    *,
+    row_schema_json: str | None = None,
+    progress_only: bool = False,
+    on_driver: bool = False,
 ) -> pa.Table:
     """Decode a micro-batch DataFrame of the Kafka source and bring it to the driver, sorted
-    by (topic, partition, offset) so that per-partition order is kept."""
+    by (topic, partition, offset) so that per-partition order is kept.
+
+    ``on_driver``: bring the raw records and decode them here (for inputs of a few control
+    messages: no Python UDF pass on the executors, one task fewer per record batch); else
+    decode on the executors (``mapInArrow``)."""
     src = df.select("topic", "partition", "offset", "value")
-    fn = decode_partition(desired_topic or "\0none", row_schema_json, progress_only=progress_only)
-    table = src.mapInArrow(fn, DECODED_DDL).toArrow()
+    if on_driver:
+        fn = decode_partition(desired_topic or "\0none", row_schema_json, progress_only=progress_only, executor=False)
+        raw = src.toArrow()
+        table = pa.Table.from_batches(list(fn(iter(raw.to_batches()))), schema=DECODED_SCHEMA)
+    else:
+        fn = decode_partition(desired_topic or "\0none", row_schema_json, progress_only=progress_only)
+        table = src.mapInArrow(fn, DECODED_DDL).toArrow()
     if table.num_rows:
         table = table.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
     return table

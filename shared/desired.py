@@ -148,6 +148,19 @@ class DesiredFrontierTracker:
         self.violations += 1
         return ContractViolation(partition=partition, time=time, frontier=frontier)
 
+    def to_json(self) -> list[int | None]:
+        """Every partition's latest progress (the checkpoint form)."""
+        return [f.to_json() for f in self._progress]
+
+    @staticmethod
+    def from_json(progress: list[int | None]) -> DesiredFrontierTracker:
+        """The inverse of :meth:`to_json` (violations are not kept: a count, not state)."""
+        if not isinstance(progress, list) or not progress:
+            raise ValueError(f"expected a non-empty list of frontiers, found {progress!r}")
+        t = DesiredFrontierTracker(len(progress))
+        t._progress = [Frontier.from_json(f) for f in progress]
+        return t
+
     @staticmethod
     def _check_partition(partition: int) -> None:
         if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:

@@ -331,6 +331,21 @@ class MintState:
         """Leave read-only mode (one way)."""
         self.read_only = False
 
+    def checkpoint(self) -> dict[str, Any]:
+        """What a restarted minter must not re-read from the desired topic: every partition's
+        latest progress. The epoch, the last lower and the read-only flag are not kept: a
+        restart takes a new epoch (its first description supersedes any in flight) and reads
+        the flag from the catalog."""
+        return {"v": 1, "progress": self.desired.to_json()}
+
+    def restore(self, data: dict[str, Any]) -> None:
+        """Take the progress of :meth:`checkpoint` (a partition count that grew since is kept)."""
+        if not isinstance(data, dict) or data.get("v") != 1:
+            raise InvalidUsageError(f"expected a mint checkpoint of version 1, found {data!r}")
+        restored = DesiredFrontierTracker.from_json(data["progress"])
+        restored.grow(self.desired.partitions)
+        self.desired = restored
+
     def maybe_mint(self, now_ms: int = 0) -> BatchDescription | None:
         """Mint ``[persist frontier, desired frontier)`` when writes are allowed, the desired
         frontier is ahead of the persist frontier, and the persist frontier advanced since
@@ -1123,6 +1138,64 @@ class AppendState:
         else:
             actions += self._drop_current("upper mismatch")
         return actions
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def checkpoint(self) -> dict[str, Any]:
+        """Everything a restarted appender needs instead of re-reading ``descs`` and
+        ``batches`` from their start (JSON-able; staged handles are passed through as is).
+        Taken between appends only."""
+        self._check_not_in_flight()
+
+        def frontier(f: Frontier | None) -> Any:
+            return None if f is None else {"t": f.to_json()}
+
+        return {
+            "v": 1,
+            "sink_id": self.sink_id,
+            "worker": self.worker,
+            "lower": self.lower.to_json(),
+            "at": {
+                "desc": None if self._at.desc is None else self._at.desc.to_dict(),
+                "reports": [r.to_dict() for r in self._at.reports.values()],
+            },
+            "pending": {t: [r.to_dict() for r in rs.values()] for t, rs in self._pending.items()},
+            "pending_extras": {t: list(x) for t, x in self._pending_extras.items()},
+            "seen": [[t, list(k), mine] for t, (k, mine) in self._seen.items()],
+            "appended": [[t, list(h)] for t, h in self._appended.items()],
+            "known_upper": frontier(self.known_upper),
+            "published": frontier(self.published),
+            "appends": self.appends,
+            "mismatches": self.mismatches,
+        }
+
+    @staticmethod
+    def restore(data: dict[str, Any], *, remember: int = 4096) -> AppendState:
+        """The inverse of :meth:`checkpoint`."""
+        if not isinstance(data, dict) or data.get("v") != 1:
+            raise InvalidUsageError(f"expected an append checkpoint of version 1, found {data!r}")
+
+        def frontier(v: Any) -> Frontier | None:
+            return None if v is None else Frontier.from_json(v["t"])
+
+        s = AppendState(str(data["sink_id"]), int(data["worker"]), remember=remember)
+        s.lower = Frontier.from_json(data["lower"])
+        at = data["at"]
+        s._at = _AtLower(
+            desc=None if at["desc"] is None else BatchDescription.from_dict(at["desc"]),
+            reports={r.partition: r for r in map(BatchReport.from_dict, at["reports"])},
+        )
+        s._pending = {
+            t: {r.partition: r for r in map(BatchReport.from_dict, rs)}
+            for t, rs in data["pending"].items()
+        }
+        s._pending_extras = {t: list(x) for t, x in data["pending_extras"].items()}
+        s._seen = OrderedDict((t, ((int(k[0]), int(k[1])), bool(mine))) for t, k, mine in data["seen"])
+        s._appended = OrderedDict((t, tuple(h)) for t, h in data["appended"])
+        s.known_upper = frontier(data["known_upper"])
+        s.published = frontier(data["published"])
+        s.appends = int(data["appends"])
+        s.mismatches = int(data["mismatches"])
+        return s
 
     # -- internals --------------------------------------------------------------------------
     def _maybe_append(self) -> list[AppendAction]:

@@ -44,16 +44,13 @@ def s3_client(stack: EmbeddedStack) -> Any:
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
+    from services.common import with_service_defaults
+
     warehouse = tmp_path_factory.mktemp("spark-warehouse")
     session = (
-        SparkSession.builder.master("local[2]")
-        .appName("shardsink-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
+        with_service_defaults(SparkSession.builder.master("local[2]").appName("shardsink-tests"))
         .config("spark.sql.warehouse.dir", str(warehouse))
         .config("spark.driver.memory", "2g")
-        .config("spark.sql.streaming.stopTimeout", "30s")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -15,11 +15,14 @@ from shared.embedded import EmbeddedStack
 from shared.io.kafka import KafkaSettings
 from shared.io.spark_kafka import (
     KAFKA_SCHEMA,
+    KafkaInputPartition,
+    KafkaRangesPartition,
     advance,
     cap,
     kafka_read_stream,
     offsets_from_json,
     offsets_to_json,
+    pack_ranges,
     pending,
     read_range,
 )
@@ -42,11 +45,14 @@ def produce(bootstrap: str, topic: str, records: list[tuple[int, bytes]], rounds
         assert p.flush(30) == 0
 
 
-def run_available_now(df: Any, checkpoint: Path) -> list[list[dict[str, Any]]]:
-    """Runs the query to the current end; returns the rows of each non-empty micro-batch."""
+def run_available_now(df: Any, checkpoint: Path, tasks: list[int] | None = None) -> list[list[dict[str, Any]]]:
+    """Runs the query to the current end; returns the rows of each non-empty micro-batch
+    (and appends each micro-batch's number of input partitions to ``tasks``)."""
     batches: list[list[dict[str, Any]]] = []
 
     def collect(bdf: Any, batch_id: int) -> None:
+        if tasks is not None:
+            tasks.append(bdf.rdd.getNumPartitions())
         rows = [r.asDict(recursive=True) for r in bdf.collect()]
         if rows:
             batches.append(rows)
@@ -82,20 +88,28 @@ def test_source_reads_every_record_in_order_per_partition(
     records = [(i % 3, b"r%04d" % i) for i in range(300)]
     produce(stack.bootstrap_servers, topic, records, rounds=4)
 
-    df = source(spark, stack, [topic])
-    assert df.schema == KAFKA_SCHEMA
-    rows = [r for b in run_available_now(df, tmp_path / "ckpt") for r in b]
+    # A micro-batch of few records is one task (the three ranges read one after the other);
+    # with a small minRecordsPerTask, one task per partition: the same records either way.
+    for min_per_task, want_tasks in ((None, 1), (50, 3)):
+        df = source(spark, stack, [topic])
+        if min_per_task is not None:
+            df = (spark.readStream.format("shardsink-kafka").option("bootstrap", stack.bootstrap_servers)
+                  .option("topics", topic).option("minRecordsPerTask", min_per_task).load())
+        assert df.schema == KAFKA_SCHEMA
+        tasks: list[int] = []
+        rows = [r for b in run_available_now(df, tmp_path / f"ckpt-{min_per_task}", tasks) for r in b]
+        assert tasks and tasks[0] == want_tasks
 
-    assert len(rows) == 300
-    got = by_partition(rows)
-    for p in range(3):
-        want = [v for part, v in records if part == p]
-        assert got[(topic, p)] == list(enumerate(want))
-    r0 = next(r for r in rows if r["partition"] == 0)
-    assert r0["key"] == b"k" + r0["value"]
-    assert r0["headers"] == [{"key": "h", "value": r0["value"]}]
-    r1 = next(r for r in rows if r["partition"] == 1)
-    assert r1["headers"] is None and r1["timestamp"] is not None
+        assert len(rows) == 300
+        got = by_partition(rows)
+        for p in range(3):
+            want = [v for part, v in records if part == p]
+            assert got[(topic, p)] == list(enumerate(want))
+        r0 = next(r for r in rows if r["partition"] == 0)
+        assert r0["key"] == b"k" + r0["value"]
+        assert r0["headers"] == [{"key": "h", "value": r0["value"]}]
+        r1 = next(r for r in rows if r["partition"] == 1)
+        assert r1["headers"] is None and r1["timestamp"] is not None
 
 
 def test_skip_value_prefixes_drops_records_in_the_reader_and_keeps_offsets(
@@ -246,3 +260,27 @@ def test_cap_shares_the_limit_by_backlog_and_always_progresses() -> None:
     assert capped == {"t": {0: 9, 1: 1}, "u": {0: 0}}
     assert cap(start, {"t": {0: 1, 1: 1}}, 1) == {"t": {0: 1, 1: 0}}
     assert cap(start, end, 1000) == end
+
+
+def test_pack_ranges_makes_tasks_of_at_least_the_minimum_and_keeps_ranges_whole() -> None:
+    def r(p: int, n: int) -> KafkaInputPartition:
+        return KafkaInputPartition("t", p, 100, 100 + n)
+
+    def ranges_of(task: Any) -> list[tuple[int, int, int]]:
+        rs = task.ranges if isinstance(task, KafkaRangesPartition) else (task,)
+        return [(x.partition, x.start, x.end) for x in rs]
+
+    small = [r(0, 10), r(1, 5), r(2, 0)]
+    one = pack_ranges(small, 1000)
+    assert len(one) == 1 and ranges_of(one[0]) == [(0, 100, 110), (1, 100, 105), (2, 100, 100)]
+    single = [r(3, 7)]
+    assert pack_ranges(single, 1000) == single  # the same partition object: a plain read
+    big = [r(p, n) for p, n in enumerate([9000, 8000, 3000, 1000, 500])]
+    tasks = pack_ranges(big, 10_000)  # 21,500 records: three tasks
+    assert len(tasks) == 3
+    flat = sorted(x for t in tasks for x in ranges_of(t))
+    assert flat == sorted((x.partition, x.start, x.end) for x in big)  # every range once, whole
+    sizes = sorted(sum(e - s for _, s, e in ranges_of(t)) for t in tasks)
+    assert sizes == [4500, 8000, 9000]
+    each = pack_ranges(big, 1)  # never more tasks than ranges
+    assert len(each) == 5 and all(isinstance(t, KafkaInputPartition) for t in each)

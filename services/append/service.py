@@ -13,13 +13,24 @@ Contract (the seeds' append operator):
   storage layer refuses to delete anything a committed batch references);
 - it publishes every upper advance once on ``frontiers``.
 
-Recovery: the state is rebuilt from ``descs`` and ``batches`` (earliest offsets) and the
-shard's upper: descriptions below the upper are outdated and their staged parts are deleted,
-so parts staged before a crash and never appended are cleaned up. For that, a micro-batch's
-descriptions are absorbed before its reports (a report whose description is unknown cannot
-be told apart from another appender's and is left alone), and the deletions a micro-batch
-decides are carried out together at its end, in one call (a replay decides one per report;
-the storage layer keeps every part a committed batch references).
+Recovery: the query's checkpoint (``<checkpoint root>/append/<sink>-e<epoch>``) is durable,
+and the appender's state (the description in flight, the reports received, what was
+appended) is saved with each micro-batch's offsets (:mod:`services.driver_state`): a
+restarted appender goes on from the offsets Spark resumes from, never re-reading ``descs``
+and ``batches`` from their start. A micro-batch Spark re-runs after a crash repeats its
+actions from the saved state: a compare-and-append carries the description's token (one that
+landed is recognised), deletions and upper publications are idempotent. A new checkpoint
+(a new sink, or one whose state is unusable) starts from the topics' earliest offsets: then
+descriptions below the shard's upper are outdated and their staged parts are deleted. For
+that, a micro-batch's descriptions are absorbed before its reports (a report whose
+description is unknown cannot be told apart from another appender's and is left alone), and
+the deletions a micro-batch decides are carried out together at its end, in one call (the
+storage layer keeps every part a committed batch references). Parts that no appender deletes
+(a description superseded while its appender was down) are collected by the shard's garbage
+collection after the grace period.
+
+Cost: the control messages come to the driver as they are and are decoded there (a
+micro-batch is one Spark job of one task).
 """
 
 from __future__ import annotations
@@ -33,7 +44,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, interruptible
+from services.common import ServiceSettings, checkpoint_path, hadoop_path, interruptible
+from services.driver_state import DriverStateLog
 from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded
 from shared.catalog import SinkDef
 from shared.codec import message_codec
@@ -167,16 +179,29 @@ def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, reg
     from shared.io.spark_kafka import kafka_read_stream
 
     appender = SinkAppender.create(sink, settings)
+    checkpoint = checkpoint_path(settings, "append", sink)
+    states = DriverStateLog(spark, checkpoint)
+    try:
+        saved = states.restore()
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("starting a new append checkpoint (the old one has no usable state: %s)", e,
+                    extra={"sink_id": sink.sink_id})
+        fs, root = hadoop_path(spark, checkpoint)
+        fs.delete(root, True)
+        saved = None
+    if saved is not None:
+        appender.state = AppendState.restore(saved)
     if registry is not None:
         registry[sink.sink_id] = appender
     df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic], starting_offsets="earliest")
 
     def each(batch_df: Any, batch_id: int) -> None:
-        appender.process(collect_decoded(batch_df, None))
+        appender.process(collect_decoded(batch_df, None, on_driver=True))
+        states.save(batch_id, appender.state.checkpoint())
 
     return (
         df.writeStream.foreachBatch(interruptible(each))
-        .option("checkpointLocation", checkpoint_path(settings, "append", sink))
+        .option("checkpointLocation", checkpoint)
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"append-{sink.sink_id}-{sink.epoch}")
         .start()

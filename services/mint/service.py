@@ -12,6 +12,14 @@ Contract (the seeds' mint operator):
 - identity: each start of the query takes a new epoch (wall-clock milliseconds) and a random
   nonce in its tokens, so a restarted minter's description with an old lower supersedes the
   old one, and batches written for the old one are never appended under it.
+- recovery: the query's checkpoint (``<checkpoint root>/mint/<sink>-e<epoch>``) is durable;
+  the desired progress per partition is saved with each micro-batch's offsets
+  (:mod:`services.driver_state`), so a restarted minter reads only what came after them,
+  never the desired topic's history. Its first description (a new epoch) supersedes any in
+  flight.
+- cost: desired updates are dropped inside the source's ``read()`` by their framing prefix;
+  the few records left (progress statements, upper advances) come to the driver as they are
+  and are decoded there, so a micro-batch is one Spark job of one task.
 
 One active minter per sink: run one mint service (or one all-in-one application).
 """
@@ -27,6 +35,7 @@ from typing import Any
 import pyarrow as pa
 
 from services.common import ServiceSettings, checkpoint_path, interruptible
+from services.driver_state import DriverStateLog
 from services.sinkio import KIND_PROGRESS, ControlProducer, collect_decoded, u64
 from shared.catalog import SinkDef
 from shared.codec import message_codec
@@ -88,9 +97,23 @@ class SinkMinter:
 
 def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkMinter] | None = None) -> Any:
     from shared.io.kafka_admin import topic_partition_count
-    from shared.io.spark_kafka import kafka_read_stream
+    from shared.io.spark_kafka import _connector, kafka_read_stream
 
     minter = SinkMinter.create(sink, settings, topic_partition_count(settings.kafka, sink.desired_topic))
+    checkpoint = checkpoint_path(settings, "mint", sink)
+    states = DriverStateLog(spark, checkpoint)
+    try:
+        saved = states.restore()
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("starting a new mint checkpoint (the old one has no usable state: %s)", e,
+                    extra={"sink_id": sink.sink_id})
+        from services.common import hadoop_path
+
+        fs, root = hadoop_path(spark, checkpoint)
+        fs.delete(root, True)
+        saved = None
+    if saved is not None:
+        minter.state.restore(saved)
     if registry is not None:
         registry[sink.sink_id] = minter
     from shared.codec import MARKER, message_codec
@@ -107,13 +130,16 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         skip_value_prefixes={sink.desired_topic: update_prefix},
     )
     desired_topic = sink.desired_topic
+    # The builtin connector cannot drop updates in the reader: decode on the executors then.
+    on_driver = _connector(None) != "builtin"
 
     def each(batch_df: Any, batch_id: int) -> None:
-        minter.process(collect_decoded(batch_df, desired_topic, progress_only=True))
+        minter.process(collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=on_driver))
+        states.save(batch_id, minter.state.checkpoint())
 
     return (
         df.writeStream.foreachBatch(interruptible(each))
-        .option("checkpointLocation", checkpoint_path(settings, "mint", sink))
+        .option("checkpointLocation", checkpoint)
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"mint-{sink.sink_id}-{sink.epoch}")
         .start()

@@ -378,7 +378,9 @@ def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) ->
     import pyarrow.compute as pc
 
     from shared.codec import message_codec
+    from shared.io.worker_heap import settle
 
+    settle()
     wp = int(key[0])
     clock = time.perf_counter
     t0 = clock()
@@ -653,14 +655,10 @@ def failure_reason(exc: Any) -> str:
 def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """``(batch id, start offsets, end offsets)`` of the micro-batch a checkpoint planned and
     did not commit (Spark's offset log: ``offsets/<id>`` without ``commits/<id>``)."""
+    from services.driver_state import batch_ids
+
     jvm = spark.sparkContext._jvm
     fs, root = hadoop_path(spark, checkpoint)
-
-    def ids(sub: str) -> list[int]:
-        d = jvm.org.apache.hadoop.fs.Path(root, sub)
-        if not fs.exists(d):
-            return []
-        return sorted(int(st.getPath().getName()) for st in fs.listStatus(d) if st.getPath().getName().isdigit())
 
     def offsets(batch_id: int) -> dict[str, Any]:
         stream = fs.open(jvm.org.apache.hadoop.fs.Path(root, f"offsets/{batch_id}"))
@@ -671,7 +669,7 @@ def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dic
         lines = str(text).splitlines()  # "v1", metadata, then one line per source
         return dict(json.loads(lines[2])) if len(lines) > 2 and lines[2].strip() not in ("", "-") else {}
 
-    planned, committed = ids("offsets"), ids("commits")
+    planned, committed = batch_ids(spark, checkpoint, "offsets"), batch_ids(spark, checkpoint, "commits")
     if not planned or (committed and committed[-1] >= planned[-1]):
         return None
     last = planned[-1]

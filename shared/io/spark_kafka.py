@@ -48,9 +48,13 @@ Offsets in the checkpoint are JSON ``{topic: {partition: next_offset}}``. Every 
 re-reads the topics' partitions, so partitions (and topics listed but not yet created) that
 appear later are picked up, starting at offset 0. Ends are found with
 :class:`shared.io.kafka.OffsetProbe` (correct on Tansu, whose ListOffsets under-reports).
-A micro-batch has one input partition per topic-partition with a non-empty range; ``read()``
-``assign()``s the partition at ``start`` and returns exactly the records with offsets in
-``[start, end)`` as pyarrow RecordBatches, so a replayed micro-batch reads the same records.
+A micro-batch's non-empty topic-partition ranges are packed into tasks of at least
+``minRecordsPerTask`` records (default 10000; at most one task per range, each range whole in
+one task): a task costs a Python worker round trip whatever it reads, so a micro-batch of a
+few control messages is one task, and a catch-up is one task per partition. ``read()``
+``assign()``s each partition at ``start`` and returns exactly the records with offsets in
+``[start, end)`` as pyarrow RecordBatches, range after range, so a replayed micro-batch reads
+the same records.
 
 Columns: ``key binary, value binary, topic string, partition int, offset long,
 timestamp timestamp, headers array<struct<key string, value binary>>`` (``headers`` is null
@@ -86,6 +90,7 @@ accepts ``init_transactions``/``commit_transaction``/``abort_transaction`` but a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -285,6 +290,9 @@ class SourceOptions:
     history_gap_topics: tuple[str, ...] = ()
     simulated_low_watermarks_file: str | None = None
     skip_value_prefixes: tuple[tuple[str, bytes], ...] = ()
+    #: A micro-batch's ranges are packed into tasks of at least this many records (one task per
+    #: topic-partition at most): a task costs a Python worker round trip whatever it reads.
+    min_records_per_task: int = 10_000
 
     @staticmethod
     def parse(options: Mapping[str, str]) -> SourceOptions:
@@ -311,6 +319,7 @@ class SourceOptions:
             ),
             simulated_low_watermarks_file=low.get("simulatedlowwatermarksfile") or None,
             skip_value_prefixes=_parse_prefixes(str(low.get("skipvalueprefixes", ""))),
+            min_records_per_task=_int(low, "minrecordspertask", 10_000) or 10_000,
         )
 
     def skip_prefix(self, topic: str) -> bytes | None:
@@ -351,6 +360,37 @@ class KafkaInputPartition(InputPartition):
         self.end = end
         #: offsets ``[lost_from, start)`` were deleted by retention (historyGapTopics only)
         self.lost_from = lost_from
+
+
+class KafkaRangesPartition(InputPartition):
+    """Several topic-partitions' ranges read one after the other by one task."""
+
+    def __init__(self, ranges: Sequence[KafkaInputPartition]) -> None:
+        super().__init__(tuple(r.value for r in ranges))
+        self.ranges = tuple(ranges)
+
+
+def pack_ranges(ranges: Sequence[KafkaInputPartition], min_records: int) -> list[InputPartition]:
+    """Tasks for a micro-batch's ranges: ``ceil(records / min_records)`` of them (at least one,
+    at most one per range), each range whole in one task, the largest ranges first into the
+    emptiest task (so tasks are about even). A single range stays a plain partition."""
+    if len(ranges) <= 1:
+        return list(ranges)
+    total = sum(r.end - r.start for r in ranges)
+    tasks = max(1, min(len(ranges), -(-total // max(1, min_records))))
+    if tasks == len(ranges):
+        return list(ranges)
+    bins: list[list[KafkaInputPartition]] = [[] for _ in range(tasks)]
+    sizes = [0] * tasks
+    for r in sorted(ranges, key=lambda r: (-(r.end - r.start), r.topic, r.partition)):
+        i = sizes.index(min(sizes))
+        bins[i].append(r)
+        sizes[i] += r.end - r.start
+    out: list[InputPartition] = []
+    for b in bins:
+        b.sort(key=lambda r: (r.topic, r.partition))
+        out.append(b[0] if len(b) == 1 else KafkaRangesPartition(b))
+    return out
 
 
 class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -477,16 +517,17 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         ranges = pending(offsets_from_json(start), offsets_from_json(end))
         if not self.options.history_gap_topics:
-            return [KafkaInputPartition(t, p, s, e) for t, p, s, e in ranges]
-        lows = self.low_watermarks()
-        out = []
-        for t, p, s, e in ranges:
-            low = lows.get(t, {}).get(p, 0)
-            if s < low:
-                out.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
-            else:
-                out.append(KafkaInputPartition(t, p, s, e))
-        return out
+            parts = [KafkaInputPartition(t, p, s, e) for t, p, s, e in ranges]
+        else:
+            lows = self.low_watermarks()
+            parts = []
+            for t, p, s, e in ranges:
+                low = lows.get(t, {}).get(p, 0)
+                if s < low:
+                    parts.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
+                else:
+                    parts.append(KafkaInputPartition(t, p, s, e))
+        return pack_ranges(parts, self.options.min_records_per_task)
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # Spark keeps the offsets in its checkpoint; nothing to commit to Kafka
@@ -498,7 +539,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- executor side -----------------------------------------------------------------------
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        from shared.io.worker_heap import settle
+
+        settle()
+        if isinstance(partition, KafkaRangesPartition):
+            return itertools.chain.from_iterable(self._read_one(r) for r in partition.ranges)
         assert isinstance(partition, KafkaInputPartition)
+        return self._read_one(partition)
+
+    def _read_one(self, partition: KafkaInputPartition) -> Iterator[pa.RecordBatch]:
         o = self.options
         lost_from = getattr(partition, "lost_from", None)
         if lost_from is not None:
@@ -805,6 +854,9 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         from confluent_kafka import KafkaException, Producer
         from pyspark import TaskContext
 
+        from shared.io.worker_heap import settle
+
+        settle()
         o = self.options
         ctx = TaskContext.get()
         pid = ctx.partitionId() if ctx else 0

@@ -243,6 +243,9 @@ class ShardsinkBatchReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BucketPartition)
+        from shared.io.worker_heap import settle
+
+        settle()
         p = self.plan
         table = read_bucket(
             S3ObjectStore(self.options.s3), p.keys, self.part_schema, p.as_of, p.skip_time_filter,
