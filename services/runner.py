@@ -125,6 +125,9 @@ class Services:
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
             registry.clear()
+        from shared.io.spark_kafka import close_pooled_consumers
+
+        close_pooled_consumers()  # mint's and append's reads on the driver
         gc.collect()
 
 

@@ -10,7 +10,7 @@ driver.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -208,13 +208,55 @@ def collect_decoded(
     messages: no Python UDF pass on the executors, one task fewer per record batch); else
     decode on the executors (``mapInArrow``)."""
     src = df.select("topic", "partition", "offset", "value")
-    if on_driver:
-        fn = decode_partition(desired_topic or "\0none", row_schema_json, progress_only=progress_only, executor=False)
-        raw = src.toArrow()
-        table = pa.Table.from_batches(list(fn(iter(raw.to_batches()))), schema=DECODED_SCHEMA)
+    if on_driver and row_schema_json is None:
+        return decode_on_driver(src.toArrow(), desired_topic, progress_only=progress_only)
     else:
         fn = decode_partition(desired_topic or "\0none", row_schema_json, progress_only=progress_only)
         table = src.mapInArrow(fn, DECODED_DDL).toArrow()
+    if table.num_rows:
+        table = table.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
+    return table
+
+
+def read_planned_batch(
+    files: Any, batch_id: int, kafka: Any, skip_prefixes: Mapping[str, bytes] | None = None
+) -> pa.Table | None:
+    """The records of micro-batch ``batch_id`` of a query reading ``shardsink-kafka``, read on
+    the driver straight from Kafka by the offsets Spark logged for the batch and the one before
+    it (``files``: the query's :class:`services.driver_state.CheckpointFiles`), without running
+    a Spark job: for the control messages of mint and append, a job (planning, a task, a Python
+    worker round trip) costs 100-400 ms for a handful of records, a pooled consumer's read a few
+    milliseconds. The source reads exactly these ranges too, so the records are the same.
+    Columns ``topic, partition, offset, value``; ``skip_prefixes`` as the source's
+    ``skipValuePrefixes``. None when the log does not hold both offsets (the first batch of a
+    checkpoint starts at the source's initial offsets, which Spark does not log): read the
+    batch's DataFrame then."""
+    from services.driver_state import planned_offsets
+    from shared.io.spark_kafka import offsets_from_json, pending, read_range
+
+    end = planned_offsets(files, batch_id)
+    start = planned_offsets(files, batch_id - 1) if batch_id > 0 else None
+    if end is None or start is None:
+        return None
+    skip = skip_prefixes or {}
+    batches = [
+        b.select(["topic", "partition", "offset", "value"])
+        for t, p, lo, hi in pending(offsets_from_json(start), offsets_from_json(end))
+        for b in read_range(kafka, t, p, lo, hi, skip_prefix=skip.get(t))
+    ]
+    if not batches:
+        return pa.table({"topic": pa.array([], pa.string()), "partition": pa.array([], pa.int32()),
+                         "offset": pa.array([], pa.int64()), "value": pa.array([], pa.binary())})
+    return pa.Table.from_batches(batches)
+
+
+def decode_on_driver(
+    raw: pa.Table, desired_topic: str | None, *, progress_only: bool = False
+) -> pa.Table:
+    """:func:`decode_partition` run on the driver over a few raw records, sorted by (topic,
+    partition, offset)."""
+    fn = decode_partition(desired_topic or "\0none", None, progress_only=progress_only, executor=False)
+    table = pa.Table.from_batches(list(fn(iter(raw.to_batches()))), schema=DECODED_SCHEMA)
     if table.num_rows:
         table = table.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
     return table

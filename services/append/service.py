@@ -44,9 +44,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, hadoop_path, interruptible
+from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.driver_state import DriverStateLog
-from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded
+from services.sinkio import (
+    KIND_CONTROL,
+    ControlProducer,
+    collect_decoded,
+    decode_on_driver,
+    read_planned_batch,
+)
 from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError, StagedBatchExpiredError, UpperMismatchError
@@ -176,7 +182,7 @@ class SinkAppender:
 
 
 def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkAppender] | None = None) -> Any:
-    from shared.io.spark_kafka import kafka_read_stream
+    from shared.io.spark_kafka import _connector, kafka_read_stream
 
     appender = SinkAppender.create(sink, settings)
     checkpoint = checkpoint_path(settings, "append", sink)
@@ -186,17 +192,23 @@ def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, reg
     except (FileNotFoundError, ValueError) as e:
         log.warning("starting a new append checkpoint (the old one has no usable state: %s)", e,
                     extra={"sink_id": sink.sink_id})
-        fs, root = hadoop_path(spark, checkpoint)
-        fs.delete(root, True)
+        states.reset()
         saved = None
     if saved is not None:
         appender.state = AppendState.restore(saved)
     if registry is not None:
         registry[sink.sink_id] = appender
     df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic], starting_offsets="earliest")
+    ours = _connector(None) != "builtin"
 
     def each(batch_df: Any, batch_id: int) -> None:
-        appender.process(collect_decoded(batch_df, None, on_driver=True))
+        # Ours: the records are read on the driver by the batch's logged offsets (no job).
+        raw = read_planned_batch(states.files, batch_id, settings.kafka) if ours else None
+        if raw is not None:
+            table = decode_on_driver(raw, None)
+        else:
+            table = collect_decoded(batch_df, None, on_driver=True)
+        appender.process(table)
         states.save(batch_id, appender.state.checkpoint())
 
     return (

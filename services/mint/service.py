@@ -36,7 +36,14 @@ import pyarrow as pa
 
 from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.driver_state import DriverStateLog
-from services.sinkio import KIND_PROGRESS, ControlProducer, collect_decoded, u64
+from services.sinkio import (
+    KIND_PROGRESS,
+    ControlProducer,
+    collect_decoded,
+    decode_on_driver,
+    read_planned_batch,
+    u64,
+)
 from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.shard import Shard
@@ -107,10 +114,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     except (FileNotFoundError, ValueError) as e:
         log.warning("starting a new mint checkpoint (the old one has no usable state: %s)", e,
                     extra={"sink_id": sink.sink_id})
-        from services.common import hadoop_path
-
-        fs, root = hadoop_path(spark, checkpoint)
-        fs.delete(root, True)
+        states.reset()
         saved = None
     if saved is not None:
         minter.state.restore(saved)
@@ -130,11 +134,18 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         skip_value_prefixes={sink.desired_topic: update_prefix},
     )
     desired_topic = sink.desired_topic
-    # The builtin connector cannot drop updates in the reader: decode on the executors then.
-    on_driver = _connector(None) != "builtin"
+    # Ours: the few records are read on the driver by the batch's logged offsets. The builtin
+    # connector cannot drop updates in the reader: decode on the executors then.
+    ours = _connector(None) != "builtin"
+    skip = {desired_topic: update_prefix}
 
     def each(batch_df: Any, batch_id: int) -> None:
-        minter.process(collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=on_driver))
+        raw = read_planned_batch(states.files, batch_id, settings.kafka, skip) if ours else None
+        if raw is not None:
+            table = decode_on_driver(raw, desired_topic, progress_only=True)
+        else:
+            table = collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=ours)
+        minter.process(table)
         states.save(batch_id, minter.state.checkpoint())
 
     return (

@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -94,7 +93,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, hadoop_path, interruptible
+from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.sinkio import (
     KIND_BAD,
     KIND_CONTROL,
@@ -655,26 +654,15 @@ def failure_reason(exc: Any) -> str:
 def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """``(batch id, start offsets, end offsets)`` of the micro-batch a checkpoint planned and
     did not commit (Spark's offset log: ``offsets/<id>`` without ``commits/<id>``)."""
-    from services.driver_state import batch_ids
+    from services.driver_state import CheckpointFiles, planned_offsets
 
-    jvm = spark.sparkContext._jvm
-    fs, root = hadoop_path(spark, checkpoint)
-
-    def offsets(batch_id: int) -> dict[str, Any]:
-        stream = fs.open(jvm.org.apache.hadoop.fs.Path(root, f"offsets/{batch_id}"))
-        try:
-            text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
-        finally:
-            stream.close()
-        lines = str(text).splitlines()  # "v1", metadata, then one line per source
-        return dict(json.loads(lines[2])) if len(lines) > 2 and lines[2].strip() not in ("", "-") else {}
-
-    planned, committed = batch_ids(spark, checkpoint, "offsets"), batch_ids(spark, checkpoint, "commits")
+    files = CheckpointFiles(spark, checkpoint)
+    planned, committed = files.ids("offsets"), files.ids("commits")
     if not planned or (committed and committed[-1] >= planned[-1]):
         return None
     last = planned[-1]
-    start = offsets(last - 1) if last - 1 in planned else {}
-    return last, start, offsets(last)
+    start = (planned_offsets(files, last - 1) or {}) if last - 1 in planned else {}
+    return last, start, planned_offsets(files, last) or {}
 
 
 def on_write_failure(spark: Any, settings: ServiceSettings, sink: SinkDef, exc: Any) -> list[dict[str, Any]]:

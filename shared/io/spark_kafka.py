@@ -744,8 +744,9 @@ def read_range(
         # Read to the end: the consumer (connected, with the partition's metadata) serves the
         # next micro-batch's range of this partition in this worker process.
         consumer.unassign()  # stops fetching and drops what was prefetched beyond ``end``
-        _POOL[pool_key] = consumer
-        pooled = True
+        # Threads of one process (the queries of a driver) may read the same partition: keep
+        # one consumer per key, close the other.
+        pooled = _POOL.setdefault(pool_key, consumer) is consumer
     finally:
         if not pooled:
             consumer.close()
