@@ -57,6 +57,7 @@ def decode_partition(
     route_to: int | None = None,
     quarantine: list[tuple[int, int, int, str]] | None = None,
     executor: bool = True,
+    only_wp: int | None = None,
 ) -> Any:
     """A ``mapInArrow`` function decoding desired messages of ``desired_topic``.
 
@@ -73,8 +74,10 @@ def decode_partition(
 
     With ``route_to`` (the write service: its number of writer partitions), every output row
     starts with ``wp``, the writer partition it goes to: a desired record goes to its topic
-    partition, a control record (description, upper) is copied to every partition, and a
-    history-gap marker of the source becomes a ``gap`` record (input with ``headers``).
+    partition, a control record (description) is copied to every partition (to ``only_wp``
+    alone when the input is that partition's: the write source reads the control range once
+    per writer partition), and a history-gap marker of the source becomes a ``gap`` record
+    (input with ``headers``). Nulls stay nulls (a ``time`` or ``diff`` a record does not have).
 
     ``quarantine``: ``(partition, start, end, reason)`` ranges of the desired topic whose
     updates become ``bad`` records at their own time and diff (the write service's quarantine
@@ -141,18 +144,15 @@ def decode_partition(
                                 if why is not None:
                                     kind, err = KIND_BAD, _quarantined(topic, part, off, why, row, row_codec)
                                     row = None
-                copies = [None]
+                copies: list[int | None] = [None]
                 if route_to is not None:
-                    copies = list(range(route_to)) if kind == KIND_CONTROL else [part]
-                    # pandas (applyInPandasWithState) turns nullable int64 into float64:
-                    # nulls become 0 with presence flags.
-                    has_time, has_diff = tm is not None, diff is not None
-                    tm, diff, fr = tm or 0, diff or 0, fr or 0
+                    if kind == KIND_CONTROL:
+                        copies = list(range(route_to)) if only_wp is None else [only_wp]
+                    else:
+                        copies = [part]
                 for wp in copies:
                     if wp is not None:
                         cols["wp"].append(wp)
-                        cols["has_time"].append(has_time)
-                        cols["has_diff"].append(has_diff)
                     for name, v in (
                         ("topic", topic), ("partition", part), ("offset", off), ("kind", kind),
                         ("row", row), ("time", tm), ("diff", diff), ("frontier", fr),
@@ -164,10 +164,8 @@ def decode_partition(
     return fn
 
 
-ROUTED_SCHEMA = pa.schema(
-    [pa.field("wp", pa.int32()), *DECODED_SCHEMA, pa.field("has_time", pa.bool_()), pa.field("has_diff", pa.bool_())]
-)
-ROUTED_DDL = "wp int, " + DECODED_DDL + ", has_time boolean, has_diff boolean"
+ROUTED_SCHEMA = pa.schema([pa.field("wp", pa.int32()), *DECODED_SCHEMA])
+ROUTED_DDL = "wp int, " + DECODED_DDL
 
 
 def _quarantined(topic: str, part: int, off: int, why: str, row: bytes | None, codec: Any) -> str:

@@ -9,10 +9,13 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
   micro-batch that decides nothing (the next description, minted only after mint saw that
   upper, triggers the read-back it needs);
 - state: one :class:`shared.sink_state.WriteState` per writer partition (= desired topic
-  partition), kept in **Spark's state store on the executors** (``applyInPandasWithState``
-  keyed by writer partition) and checkpointed by Spark together with the source offsets.
-  Desired updates go in positively; the shard's own contents (a snapshot at the partition's
-  first start, then each appended range) go in negated, routed by the same row hash;
+  partition), kept **on the executors** and checkpointed with the source offsets: the task
+  that processes a partition in micro-batch N loads the partition's newest state version
+  written before N and writes version N under the query's checkpoint; Spark's commit of batch
+  N makes it live (:mod:`services.write.state_files`, Spark's state store protocol in files the
+  task handles itself). Desired updates go in positively; the shard's own contents (a
+  snapshot at the partition's first start, then each appended range) go in negated, routed by
+  the same row hash;
 - for a description whose lower equals the persist frontier and whose upper is at or below
   the partition's desired frontier, the partition stages its consolidated updates before
   ``upper`` as data objects (named ``...-w<p>of<n>.parquet``), and reports on ``batches``
@@ -20,11 +23,11 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
 - bad input (undecodable messages, rows that do not match the schema, updates below their
   partition's progress) becomes error rows at their time, in the shard's error collection.
 
-Where the work runs. Executors: decoding (one task per Kafka partition, inside the source's
-``read()``: :mod:`services.write.source`; it also routes each record to its writer partition
-and copies control messages to every partition), then one task per writer partition that
-absorbs the desired updates, reads the shard back, consolidates, decides and stages Parquet
-objects to S3. A partition's own staged objects come back from its state when they are
+Where the work runs. Executors, one task per writer partition with input, in one stage: the
+source's ``read()`` reads the partition's desired range and the micro-batch's control range
+and decodes them (:mod:`services.write.source`); a ``mapInArrow`` over the same task's rows
+(no shuffle) absorbs the desired updates, reads the shard back, consolidates, decides and
+stages Parquet objects to S3 (:func:`write_step`). A partition's own staged objects come back from its state when they are
 appended (no read, no re-encode); only objects written by others (a racing replica, the controller's ``Append``, compaction) are
 read and routed row by row. The driver sees only the reports (one small row per partition per
 description) and produces them.
@@ -71,13 +74,17 @@ reach the correction buffer. Failures are counted per service process.
 
 Micro-batch order inside a writer partition's task (all on the executor):
 
-1. restore the state from the store (or start it: absorb the shard's snapshot, or adopt it);
+1. load the partition's newest state version before this batch (or start it: absorb the
+   shard's snapshot, or adopt it);
 2. absorb history gaps, desired updates and progress in offset order;
 3. read the shard's head; absorb (negated) everything appended since the persist frontier;
-4. absorb descriptions; decide; stage data objects (S3); save the state; emit reports.
+4. absorb descriptions; decide; stage data objects (S3); write this batch's state version;
+   emit reports.
 
 Then on the driver (``foreachBatch`` over the reports): produce the reports and flush them;
-only then does Spark commit the micro-batch (state, offsets).
+only then does Spark commit the micro-batch (offsets), which makes the state versions live.
+A batch that fails before its commit is re-run with the same id and offsets from the versions
+before it; what its failed attempt staged is collected after the grace period.
 """
 
 from __future__ import annotations
@@ -121,7 +128,6 @@ log = logging.getLogger("shardsink.write")
 
 #: One row per writer partition per micro-batch: reports to produce, refusals, statistics.
 OUTPUT_DDL = "wp int, kind string, body string"
-STATE_DDL = "state binary"
 _TAG = re.compile(r"-w(\d+)of(\d+)\.parquet$")
 
 
@@ -155,6 +161,8 @@ class WriteJob:
     partitions: int
     schema_json: str
     descs_topic: str
+    #: The query's checkpoint: the writer partitions' state versions live under it.
+    checkpoint: str
 
 
 # -- executor side ------------------------------------------------------------------------------
@@ -169,9 +177,12 @@ class _Context:
         from shared.codec import RowCodec
         from shared.shard import Shard
 
+        from services.write.state_files import WriterStateFiles
+
         self.job = job
         self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
         self.codec = RowCodec(json.loads(job.schema_json))
+        self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
 
     @staticmethod
     def of(job: WriteJob) -> _Context:
@@ -334,8 +345,6 @@ def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
     closed = table["frontier_closed"].to_pylist()
     errs = table["error"].to_pylist()
     topics = table["topic"].to_pylist()
-    has_time = table["has_time"].to_pylist()
-    has_diff = table["has_diff"].to_pylist()
     run: tuple[list[bytes], list[int], list[int]] = ([], [], [])
     bad = 0
 
@@ -363,36 +372,31 @@ def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
         elif kind == KIND_BAD:
             # A row that does not match the schema keeps its time and diff; a message that does
             # not decode at all has none: it lands at the partition's frontier.
-            at = Frontier.at(u64(times[i]) or 0) if has_time[i] else ws.desired_frontier.join(ws.persist_frontier)
+            t_bad = u64(times[i])
+            at = Frontier.at(t_bad) if t_bad is not None else ws.desired_frontier.join(ws.persist_frontier)
             if at.time is not None:
-                ws.absorb_desired_error(errs[i] or "bad desired message", at.time, diffs[i] if has_diff[i] else 1)
+                ws.absorb_desired_error(errs[i] or "bad desired message", at.time, diffs[i] if diffs[i] is not None else 1)
                 bad += 1
     flush()
     return bad
 
 
-def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) -> Iterator[Any]:
-    """``applyInPandasWithState``'s function: one writer partition, one micro-batch."""
-    import pandas as pd
+def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -> list[dict[str, Any]]:
+    """One writer partition, one micro-batch, on an executor: the steps of the module
+    docstring. ``table``: the partition's decoded input (columns of
+    :data:`services.sinkio.ROUTED_SCHEMA`), None or empty when it has none. Returns the rows
+    for the driver: a report (or a refusal), and the partition's statistics."""
     import pyarrow.compute as pc
 
     from shared.codec import message_codec
-    from shared.io.worker_heap import settle
 
-    settle()
-    wp = int(key[0])
     clock = time.perf_counter
     t0 = clock()
-    frames = [pdf for pdf in pdfs if len(pdf)]
-    table = (
-        pa.Table.from_pandas(pd.concat(frames, ignore_index=True), preserve_index=False)
-        if frames
-        else None
-    )
     ctx = _Context.of(job)
     t1 = clock()
-    if state.exists:
-        ws = WriteState.from_checkpoint(state.get[0])
+    loaded = ctx.states.load(wp, batch_id, WriteState.from_checkpoint)
+    if loaded is not None:
+        ws: WriteState = loaded[1]
         if ws.partition_count != job.partitions:
             raise SinkProtocolError(
                 f"expected the desired topic {job.sink.desired_topic!r} to keep the "
@@ -441,6 +445,7 @@ def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) ->
         out.append({"wp": wp, "kind": "refuse", "body": decision.reason})
     t5 = clock()
     blob = ws.to_checkpoint()
+    ctx.states.save(wp, batch_id, blob, ws)
     t6 = clock()
     stats = {
         "desired_updates": ws.absorbed_desired,
@@ -455,8 +460,32 @@ def write_partition(job: WriteJob, key: Any, pdfs: Iterator[Any], state: Any) ->
         "timing": [round(b - a, 4) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6))],
     }
     out.append({"wp": wp, "kind": "stats", "body": json.dumps(stats)})
-    state.update((blob,))
-    yield pd.DataFrame(out, columns=["wp", "kind", "body"]).astype({"wp": "int32"})
+    return out
+
+
+OUTPUT_SCHEMA = pa.schema([pa.field("wp", pa.int32()), pa.field("kind", pa.string()), pa.field("body", pa.string())])
+
+
+def write_batches(job: WriteJob, batch_id: int) -> Any:
+    """The ``mapInArrow`` function of micro-batch ``batch_id``: every writer partition found in
+    the task's input (one, from the write source; any, after the builtin connector's
+    shuffle), each through :func:`write_step`."""
+
+    def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from shared.io.worker_heap import settle
+
+        settle()
+        got = [b for b in batches if b.num_rows]
+        if not got:
+            return
+        table = pa.Table.from_batches(got)
+        wps = table["wp"].to_numpy()
+        for wp in sorted(set(wps.tolist())):
+            part = table.filter(pa.array(wps == wp)) if len(set(wps.tolist())) > 1 else table
+            rows = write_step(job, int(wp), batch_id, part)
+            yield pa.RecordBatch.from_pylist(rows, schema=OUTPUT_SCHEMA)
+
+    return fn
 
 
 # -- driver side --------------------------------------------------------------------------------
@@ -551,7 +580,8 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
     )
     if registry is not None:
         registry[sink.sink_id] = writer
-    job = WriteJob(sink, settings, partitions, schema_json, settings.descs_topic)
+    checkpoint = checkpoint_path(settings, "write", sink)
+    job = WriteJob(sink, settings, partitions, schema_json, settings.descs_topic, checkpoint)
     from services.write.source import desired_source
     from shared.io.spark_kafka import _connector
 
@@ -566,33 +596,25 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
         max_records_per_trigger=settings.max_records_per_trigger,
         history_gap_topics=[sink.desired_topic],
         simulated_low_watermarks_file=settings.simulated_low_watermarks_file,
-        # ours: decoded and routed inside the source's read(), one Python pass per record
+        # ours: one input partition per writer partition, decoded inside the source's read()
         source=None if builtin else desired_source(sink.desired_topic, schema_json, partitions, quarantined),
-    )
-    if builtin:
-        routed = df.select("topic", "partition", "offset", "value", "headers").mapInArrow(
-            decode_partition(sink.desired_topic, schema_json, route_to=partitions, quarantine=quarantined),
-            ROUTED_DDL,
-        )
-    else:
-        routed = df
-
-    def fn(key: Any, pdfs: Iterator[Any], state: Any) -> Iterator[Any]:
-        return write_partition(job, key, pdfs, state)
-
-    reports = routed.groupBy("wp").applyInPandasWithState(
-        fn, OUTPUT_DDL, STATE_DDL, "append", "NoTimeout"
     )
 
     def each(batch_df: Any, batch_id: int) -> None:
-        writer.handle(batch_df.toArrow())
+        if builtin:
+            from pyspark.sql import functions as F
 
-    # The state store's partitions are fixed by the checkpoint's first run: one per writer
-    # partition, so each partition's state lives in its own task.
-    spark.conf.set("spark.sql.shuffle.partitions", str(max(1, partitions)))
+            routed = batch_df.select("topic", "partition", "offset", "value", "headers").mapInArrow(
+                decode_partition(sink.desired_topic, schema_json, route_to=partitions, quarantine=quarantined),
+                ROUTED_DDL,
+            ).repartition(max(1, partitions), F.col("wp"))
+        else:
+            routed = batch_df  # partitioned by writer partition already: no shuffle
+        writer.handle(routed.mapInArrow(write_batches(job, batch_id), OUTPUT_DDL).toArrow())
+
     return (
-        reports.writeStream.foreachBatch(interruptible(each))
-        .option("checkpointLocation", checkpoint_path(settings, "write", sink))
+        df.writeStream.foreachBatch(interruptible(each))
+        .option("checkpointLocation", checkpoint)
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .queryName(f"write-{sink.sink_id}-{sink.epoch}")
         .start()

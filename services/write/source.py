@@ -1,26 +1,64 @@
-"""The write service's source: the Kafka source (``shardsink-kafka``) with the desired
-topic's decode (:func:`services.sinkio.decode_partition`) run inside its ``read()``.
+"""The write service's source: the Kafka source (``shardsink-kafka``) partitioned by writer
+partition, with the desired topic's decode (:func:`services.sinkio.decode_partition`) run
+inside its ``read()``.
 
-Each record then crosses from Python to the JVM once, already decoded, checked and routed to
-its writer partition, instead of twice (the source's raw records, then a ``mapInArrow`` pass
-in a second Python worker of the same task). Same options as ``shardsink-kafka``, plus
-``shardsinkDecode`` (JSON: desired topic, row schema, writer partitions, quarantined ranges);
-columns :data:`services.sinkio.ROUTED_DDL`.
+A micro-batch has one input partition per writer partition that has input: writer partition
+``p`` reads desired partition ``p``'s range (the desired topic is partitioned by row hash,
+so a partition's updates and the shard rows routed to it meet there) and, when the batch holds
+control messages (``descs``), the whole control range too, so that every writer partition sees
+every description. A partition with neither is not read (its state stays as it was). The
+write step then runs over each input partition as it is (``mapInArrow`` in the same stage: no
+shuffle), see :mod:`services.write.service`.
+
+Each record crosses from Python to the JVM once, already decoded and checked. Same options as
+``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row schema, writer
+partitions, quarantined ranges); columns :data:`services.sinkio.ROUTED_DDL`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
+from pyspark.sql.datasource import InputPartition
 
 from services.sinkio import ROUTED_DDL, decode_partition
-from shared.io.spark_kafka import KafkaDataSource, KafkaStreamReader, SourceOptions
+from shared.io.spark_kafka import (
+    KafkaDataSource,
+    KafkaInputPartition,
+    KafkaStreamReader,
+    SourceOptions,
+    offsets_from_json,
+    pending,
+)
 
 DESIRED_SOURCE = "shardsink-desired"
 DECODE_OPTION = "shardsinkDecode"
+
+
+class WriterPartition(InputPartition):
+    """Writer partition ``wp``'s input of one micro-batch: its desired range (None: no new
+    desired records) and the control ranges."""
+
+    def __init__(self, wp: int, desired: KafkaInputPartition | None, control: Sequence[KafkaInputPartition]) -> None:
+        super().__init__((wp, None if desired is None else desired.value, tuple(c.value for c in control)))
+        self.wp = wp
+        self.desired = desired
+        self.control = tuple(control)
+
+
+def writer_partitions(
+    ranges: Sequence[KafkaInputPartition], desired_topic: str, route_to: int
+) -> list[WriterPartition]:
+    """The micro-batch's input partitions: one per writer partition with a desired range, or
+    one per writer partition when there are control records."""
+    control = [r for r in ranges if r.topic != desired_topic]
+    desired = {r.partition: r for r in ranges if r.topic == desired_topic}
+    wps = range(route_to) if control else sorted(desired)
+    return [WriterPartition(wp, desired.get(wp), control) for wp in wps]
 
 
 class DesiredStreamReader(KafkaStreamReader):
@@ -31,13 +69,44 @@ class DesiredStreamReader(KafkaStreamReader):
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "decode": self.decode}
 
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        d = self.decode
+        topic, n = d["desired_topic"], int(d["route_to"])
+        ranges = pending(offsets_from_json(start), offsets_from_json(end))
+        lows = self.low_watermarks() if self.options.history_gap_topics else {}
+        parts = []
+        for t, p, s, e in ranges:
+            low = lows.get(t, {}).get(p, 0)
+            if s < low:
+                parts.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
+            else:
+                parts.append(KafkaInputPartition(t, p, s, e))
+        for r in parts:
+            if r.topic == topic and r.partition >= n:
+                from shared.errors import SinkProtocolError
+
+                raise SinkProtocolError(
+                    f"expected the desired topic {topic!r} to keep its {n} partitions, found "
+                    f"partition {r.partition}: the correction buffers are keyed by partition; "
+                    "run `shardsink sink adopt` to start a new checkpoint",
+                    topic=topic,
+                )
+        return writer_partitions(parts, topic, n)
+
     def read(self, partition: Any) -> Iterator[pa.RecordBatch]:
+        from shared.io.worker_heap import settle
+
+        settle()
+        assert isinstance(partition, WriterPartition)
         d = self.decode
         fn = decode_partition(
-            d["desired_topic"], d["row_schema"], route_to=int(d["route_to"]),
+            d["desired_topic"], d["row_schema"], route_to=int(d["route_to"]), executor=False,
             quarantine=[(int(p), int(s), int(e), str(r)) for p, s, e, r in d["quarantine"]],
+            only_wp=partition.wp,
         )
-        return fn(iter(super().read(partition)))
+        ranges = ([partition.desired] if partition.desired is not None else []) + list(partition.control)
+        raw = itertools.chain.from_iterable(self._read_one(r) for r in ranges)
+        return fn(raw)
 
 
 class DesiredDataSource(KafkaDataSource):
@@ -47,7 +116,7 @@ class DesiredDataSource(KafkaDataSource):
     def name(cls) -> str:
         return DESIRED_SOURCE
 
-    def schema(self) -> str:
+    def schema(self) -> str:  # type: ignore[override]
         return ROUTED_DDL
 
     def streamReader(self, schema: Any) -> DesiredStreamReader:
