@@ -85,83 +85,299 @@ def decode_partition(
 
     ``executor``: the function runs in a Spark worker (it settles the worker's heap first,
     :mod:`shared.io.worker_heap`); False when it runs on the driver.
+
+    Decoding is vectorised (:class:`DesiredDecoder`): messages framed with the current desired
+    schema, and rows framed with the collection's current schema, are decoded and re-encoded a
+    record batch at a time (:class:`shared.avro_columns.ColumnCodec`); any other record (an
+    older schema version, an irregular encoding, a bad message) goes through the per-record
+    decoder, which decides and names the error, so both give the same records.
     """
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import json
-
-        from shared.codec import MARKER, RowCodec, message_codec
-        from shared.desired import DesiredProgress, decode_desired
-        from shared.errors import DecodeError
         if executor:
             from shared.io.worker_heap import settle
 
             settle()
-        row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
-        update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
-        out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
-
+        decoder = DesiredDecoder(
+            desired_topic, row_schema_json, progress_only=progress_only, route_to=route_to,
+            quarantine=quarantine, only_wp=only_wp,
+        )
         for rb in batches:
-            topics = rb.column("topic").to_pylist()
-            parts = rb.column("partition").to_pylist()
-            offs = rb.column("offset").to_pylist()
-            vals = rb.column("value").to_pylist()
-            heads = rb.column("headers") if "headers" in rb.schema.names else None
-            cols: dict[str, list[Any]] = {f.name: [] for f in out_schema}
-            for i, (topic, part, off, val) in enumerate(zip(topics, parts, offs, vals, strict=True)):
-                row = tm = diff = fr = err = raw = None
-                closed = False
-                if topic != desired_topic:
-                    kind, raw = KIND_CONTROL, val
-                elif val is None and heads is not None and _gap(heads[i].as_py()) is not None:
-                    kind = KIND_GAP
-                    fr, tm = _gap(heads[i].as_py())  # type: ignore[misc]
-                elif progress_only and val is not None and val[:11] == update_prefix:
-                    continue
-                else:
-                    try:
-                        msg = decode_desired(val if val is not None else b"")
-                    except DecodeError as e:
-                        kind, err = KIND_BAD, f"undecodable desired message at {topic}/{part}@{off}: {e}"
-                    else:
-                        if isinstance(msg, DesiredProgress):
-                            kind = KIND_PROGRESS
-                            closed = msg.frontier.is_empty()
-                            fr = None if closed else _signed(msg.frontier.time or 0)
-                        else:
-                            kind, row, tm, diff = KIND_UPDATE, msg.row, _signed(msg.time), msg.diff
-                            if row_codec is not None:
-                                try:
-                                    # Decoded, checked for values the shard cannot hold (an
-                                    # int beyond 32 bits...) and re-encoded canonically: the
-                                    # same bytes the shard's read-back encodes to.
-                                    row = row_codec.canonical(msg.row)
-                                except DecodeError as e:
-                                    kind, row = KIND_BAD, None
-                                    err = f"row does not match the collection schema at {topic}/{part}@{off}: {e}"
-                            if kind == KIND_UPDATE and quarantine:
-                                why = next((q[3] for q in quarantine if q[0] == part and q[1] <= off < q[2]), None)
-                                if why is not None:
-                                    kind, err = KIND_BAD, _quarantined(topic, part, off, why, row, row_codec)
-                                    row = None
-                copies: list[int | None] = [None]
-                if route_to is not None:
-                    if kind == KIND_CONTROL:
-                        copies = list(range(route_to)) if only_wp is None else [only_wp]
-                    else:
-                        copies = [part]
-                for wp in copies:
-                    if wp is not None:
-                        cols["wp"].append(wp)
-                    for name, v in (
-                        ("topic", topic), ("partition", part), ("offset", off), ("kind", kind),
-                        ("row", row), ("time", tm), ("diff", diff), ("frontier", fr),
-                        ("frontier_closed", closed), ("error", err), ("value", raw),
-                    ):
-                        cols[name].append(v)
-            yield pa.RecordBatch.from_pydict(cols, schema=out_schema)
+            yield decoder.decode(rb)
 
     return fn
+
+
+_K_UPDATE, _K_PROGRESS, _K_BAD, _K_CONTROL, _K_GAP, _K_SKIP = range(6)
+_KINDS = pa.array([KIND_UPDATE, KIND_PROGRESS, KIND_BAD, KIND_CONTROL, KIND_GAP], pa.string())
+
+#: The two branches of ``schemas/desired.avsc`` as plain records (a time is a two's complement
+#: long here, as in :data:`DECODED_SCHEMA`), read after the header and the union index byte.
+_UPDATE_BODY = {"type": "record", "name": "Update", "fields": [
+    {"name": "row", "type": "bytes"}, {"name": "time", "type": "long"}, {"name": "diff", "type": "long"}]}
+_PROGRESS_BODY = {"type": "record", "name": "Progress", "fields": [
+    {"name": "partition", "type": "int"}, {"name": "frontier", "type": ["null", "long"]}]}
+
+
+class DesiredDecoder:
+    """Decodes record batches of the Kafka source into :data:`DECODED_SCHEMA` (or
+    :data:`ROUTED_SCHEMA`) rows; see :func:`decode_partition`."""
+
+    def __init__(
+        self,
+        desired_topic: str,
+        row_schema_json: str | None = None,
+        *,
+        progress_only: bool = False,
+        route_to: int | None = None,
+        quarantine: list[tuple[int, int, int, str]] | None = None,
+        only_wp: int | None = None,
+    ) -> None:
+        import json
+
+        from shared.avro_columns import ColumnCodec
+        from shared.codec import MARKER, RowCodec, message_codec
+
+        self.desired_topic = desired_topic
+        self.progress_only = progress_only
+        self.route_to = route_to
+        self.quarantine = list(quarantine or [])
+        self.only_wp = only_wp
+        self.row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
+        self.rows = ColumnCodec(self.row_codec.schema) if self.row_codec is not None else None
+        self.row_header = MARKER + self.row_codec.fingerprint if self.row_codec is not None else b""
+        fp = message_codec("desired").fingerprint
+        self.update_prefix = MARKER + fp + b"\x00"
+        self.progress_prefix = MARKER + fp + b"\x02"
+        self.updates = ColumnCodec(_UPDATE_BODY)
+        self.progress = ColumnCodec(_PROGRESS_BODY)
+        self.out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
+
+    def decode(self, rb: pa.RecordBatch) -> pa.RecordBatch:
+        import numpy as np
+        import pyarrow.compute as pc
+
+        n = rb.num_rows
+        topic = rb.column("topic")
+        part = rb.column("partition").to_numpy(zero_copy_only=False).astype(np.int64)
+        off = rb.column("offset").to_numpy(zero_copy_only=False).astype(np.int64)
+        val = rb.column("value")
+        if val.type != pa.binary():  # large_binary from Spark's Arrow, null when all are null
+            val = val.cast(pa.binary())
+        desired = pc.fill_null(pc.equal(topic, pa.scalar(self.desired_topic, pa.string())), False)
+        is_desired = desired.to_numpy(zero_copy_only=False)
+        head = pc.binary_slice(val, 0, 11)
+        is_update = is_desired & pc.fill_null(pc.equal(head, pa.scalar(self.update_prefix, pa.binary())), False).to_numpy(zero_copy_only=False)
+        is_progress = is_desired & pc.fill_null(pc.equal(head, pa.scalar(self.progress_prefix, pa.binary())), False).to_numpy(zero_copy_only=False)
+
+        kind = np.full(n, _K_CONTROL, np.int8)
+        row = Column(n, pa.binary())
+        tm = np.zeros(n, np.int64)
+        has_tm = np.zeros(n, bool)
+        diff = np.zeros(n, np.int64)
+        has_diff = np.zeros(n, bool)
+        fr = np.zeros(n, np.int64)
+        has_fr = np.zeros(n, bool)
+        closed = np.zeros(n, bool)
+        err = Column(n, pa.string())
+        fallback = is_desired & ~is_update & ~is_progress
+        if self.progress_only:
+            kind[is_update] = _K_SKIP
+        else:
+            iu = np.flatnonzero(is_update)
+            d = self.updates.decode(val.take(pa.array(iu)), skip=11) if len(iu) else None
+            if d is not None:
+                ok = iu[d.ok]
+                fallback[iu[~d.ok]] = True
+                kind[ok] = _K_UPDATE
+                tm[ok] = d.table["time"].to_numpy()
+                diff[ok] = d.table["diff"].to_numpy()
+                has_tm[ok] = has_diff[ok] = True
+                self._rows(ok, d.table["row"].combine_chunks(), kind, row, err, fallback, part, off)
+        ip = np.flatnonzero(is_progress)
+        if len(ip):
+            d = self.progress.decode(val.take(pa.array(ip)), skip=11)
+            good = d.ok.copy()
+            pidx = ip[good]
+            parts = d.table["partition"].to_numpy(zero_copy_only=False)
+            frs = d.table["frontier"]
+            neg = parts < 0  # refused by the per-record decoder: let it name the error
+            fallback[ip[~good]] = True
+            fallback[pidx[neg]] = True
+            keep = pidx[~neg]
+            kind[keep] = _K_PROGRESS
+            fvals = frs.fill_null(0).to_numpy(zero_copy_only=False)[~neg]
+            fvalid = frs.is_valid().to_numpy(zero_copy_only=False)[~neg]
+            fr[keep] = fvals
+            has_fr[keep] = fvalid
+            closed[keep] = ~fvalid
+        for i in np.flatnonzero(fallback):
+            self._one(int(i), rb, val, kind, row, tm, has_tm, diff, has_diff, fr, has_fr, closed, err, part, off)
+        if self.quarantine:
+            for qp, qs, qe, why in self.quarantine:
+                for i in np.flatnonzero((kind == _K_UPDATE) & (part == qp) & (off >= qs) & (off < qe)):
+                    r = row.get(int(i))
+                    kind[i] = _K_BAD
+                    err.set(int(i), _quarantined(self.desired_topic, qp, int(off[i]), why, r, self.row_codec))
+                    row.set(int(i), None)
+        keep_rows = np.flatnonzero(kind != _K_SKIP)
+        control = kind == _K_CONTROL
+        cols = {
+            "topic": topic,
+            "partition": rb.column("partition"),
+            "offset": rb.column("offset"),
+            "kind": pc.take(_KINDS, pa.array(np.where(kind == _K_SKIP, 0, kind).astype(np.int32))),
+            "row": row.array(),
+            "time": pa.array(tm, pa.int64(), mask=~has_tm),
+            "diff": pa.array(diff, pa.int64(), mask=~has_diff),
+            "frontier": pa.array(fr, pa.int64(), mask=~has_fr),
+            "frontier_closed": pa.array(closed, pa.bool_()),
+            "error": err.array(),
+            "value": pc.if_else(pa.array(control), val, pa.nulls(n, pa.binary())),
+        }
+        out = pa.RecordBatch.from_pydict(cols, schema=DECODED_SCHEMA)
+        if len(keep_rows) < n:
+            out = out.take(pa.array(keep_rows))
+            control = control[keep_rows]
+            part = part[keep_rows]
+        if self.route_to is None:
+            return out
+        wps = part.astype(np.int32)
+        if self.only_wp is not None or not control.any():
+            wps[control] = self.only_wp if self.only_wp is not None else 0
+            return pa.RecordBatch.from_arrays([pa.array(wps, pa.int32()), *out.columns], schema=self.out_schema)
+        # Every control record to every writer partition.
+        pieces = [pa.RecordBatch.from_arrays([pa.array(wps[~control], pa.int32()), *out.filter(pa.array(~control)).columns], schema=self.out_schema)]
+        ctl = out.filter(pa.array(control))
+        for w in range(self.route_to):
+            pieces.append(pa.RecordBatch.from_arrays([pa.array(np.full(ctl.num_rows, w, np.int32)), *ctl.columns], schema=self.out_schema))
+        return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0] if pieces else out
+
+    def _rows(self, idx: Any, rows: pa.Array, kind: Any, row: Column, err: Column, fallback: Any, part: Any, off: Any) -> None:
+        """The rows of decoded updates ``idx``: canonical encodings, or the per-record path."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        if self.rows is None or self.row_codec is None:
+            row.put(idx, rows)
+            return
+        same = pc.fill_null(pc.equal(pc.binary_slice(rows, 0, 10), pa.scalar(self.row_header, pa.binary())), False).to_numpy(zero_copy_only=False)
+        fast = np.flatnonzero(same)
+        if len(fast):
+            d = self.rows.decode(rows.take(pa.array(fast)), skip=10)
+            ok = fast[d.ok]
+            if len(ok):
+                bodies = self.rows.encode(d.table)
+                canon = pc.binary_join_element_wise(pa.scalar(self.row_header, pa.binary()), bodies, pa.scalar(b"", pa.binary()))
+                row.put(idx[ok], canon)
+            slow = np.concatenate([fast[~d.ok], np.flatnonzero(~same)])
+        else:
+            slow = np.flatnonzero(~same)
+        from shared.errors import DecodeError
+
+        for j in slow.tolist():
+            i = int(idx[j])
+            try:
+                row.set(i, self.row_codec.canonical(rows[j].as_py()))
+            except DecodeError as e:
+                kind[i] = _K_BAD
+                err.set(i, f"row does not match the collection schema at {self.desired_topic}/{int(part[i])}@{int(off[i])}: {e}")
+
+    def _one(self, i: int, rb: pa.RecordBatch, val: pa.Array, kind: Any, row: Column, tm: Any, has_tm: Any,
+             diff: Any, has_diff: Any, fr: Any, has_fr: Any, closed: Any, err: Column, part: Any, off: Any) -> None:
+        """The per-record decoder, for records the vectorised pass leaves to it."""
+        from shared.desired import DesiredProgress, decode_desired
+        from shared.errors import DecodeError
+
+        v = val[i].as_py()
+        where = f"{self.desired_topic}/{int(part[i])}@{int(off[i])}"
+        if v is None and "headers" in rb.schema.names:
+            gap = _gap(rb.column("headers")[i].as_py())
+            if gap is not None:
+                kind[i] = _K_GAP
+                fr[i], tm[i] = gap
+                has_fr[i] = has_tm[i] = True
+                return
+        if self.progress_only and v is not None and v[:11] == self.update_prefix:
+            kind[i] = _K_SKIP
+            return
+        try:
+            msg = decode_desired(v if v is not None else b"")
+        except DecodeError as e:
+            kind[i] = _K_BAD
+            err.set(i, f"undecodable desired message at {where}: {e}")
+            return
+        if isinstance(msg, DesiredProgress):
+            kind[i] = _K_PROGRESS
+            closed[i] = msg.frontier.is_empty()
+            if not closed[i]:
+                fr[i] = _signed(msg.frontier.time or 0)
+                has_fr[i] = True
+            return
+        kind[i] = _K_UPDATE
+        tm[i], diff[i] = _signed(msg.time), msg.diff
+        has_tm[i] = has_diff[i] = True
+        if self.progress_only:
+            kind[i] = _K_SKIP
+            return
+        if self.row_codec is None:
+            row.set(i, msg.row)
+            return
+        try:
+            row.set(i, self.row_codec.canonical(msg.row))
+        except DecodeError as e:
+            kind[i] = _K_BAD
+            err.set(i, f"row does not match the collection schema at {where}: {e}")
+
+
+class Column:
+    """A nullable column assembled from vectorised pieces and single values, by row index."""
+
+    def __init__(self, n: int, type_: pa.DataType) -> None:
+        import numpy as np
+
+        self.n = n
+        self.type = type_
+        self._pieces: list[tuple[Any, pa.Array]] = []
+        self._single: dict[int, Any] = {}
+        self._np = np
+
+    def put(self, idx: Any, values: pa.Array) -> None:
+        """Rows ``idx`` take ``values`` (same length)."""
+        if len(idx):
+            self._pieces.append((idx, values))
+
+    def set(self, i: int, value: Any) -> None:
+        self._single[i] = value
+
+    def get(self, i: int) -> Any:
+        if i in self._single:
+            return self._single[i]
+        for idx, values in reversed(self._pieces):
+            hit = self._np.flatnonzero(idx == i)
+            if len(hit):
+                return values[int(hit[0])].as_py()
+        return None
+
+    def array(self) -> pa.Array:
+        np = self._np
+        if not self._pieces and not self._single:
+            return pa.nulls(self.n, self.type)
+        arrays: list[pa.Array] = []
+        pos = np.full(self.n, -1, np.int64)
+        base = 0
+        for idx, values in self._pieces:
+            pos[idx] = base + np.arange(len(idx))
+            arrays.append(values.cast(self.type) if values.type != self.type else values)
+            base += len(idx)
+        if self._single:
+            keys = list(self._single)
+            arrays.append(pa.array([self._single[k] for k in keys], self.type))
+            pos[keys] = base + np.arange(len(keys))
+            base += len(keys)
+        arrays.append(pa.nulls(1, self.type))
+        pos[pos < 0] = base
+        return pa.concat_arrays(arrays).take(pa.array(pos))
 
 
 ROUTED_SCHEMA = pa.schema([pa.field("wp", pa.int32()), *DECODED_SCHEMA])

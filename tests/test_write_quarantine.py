@@ -44,7 +44,10 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
     cid, sid, topic = f"q-{unique_id}", f"qs-{unique_id}", f"desired-q-{unique_id}"
     shard = qh.collection(cid, SCHEMA, topic, partitions=2)
     qh.sink(sid, topic, cid)
-    producer = DesiredProducer(qh.settings.kafka, topic, SCHEMA)
+    # A long linger: each step's records (and the progress after them, whose flush sends them)
+    # reach the broker in one request, so the write query never plans half a step, and the
+    # retraction below is in the same micro-batch as the poisoned row.
+    producer = DesiredProducer(qh.settings.kafka, topic, SCHEMA, linger_ms=1000)
 
     for k in range(10):
         producer.send({"k": k, "v": "ok"}, 0, 1)

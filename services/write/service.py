@@ -167,6 +167,43 @@ class WriteJob:
 
 # -- executor side ------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Rows:
+    """Keys, times and diffs read back for a writer partition: data rows and error rows."""
+
+    keys: pa.Array
+    times: np.ndarray
+    diffs: np.ndarray
+    error_keys: pa.Array
+    error_times: np.ndarray
+    error_diffs: np.ndarray
+
+    @staticmethod
+    def of(keys: Any, times: Any, diffs: Any, ekeys: Any, etimes: Any, ediffs: Any) -> Rows:
+        def binary(a: Any) -> pa.Array:
+            a = a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a
+            return a if a.type == pa.binary() else a.cast(pa.binary())
+
+        return Rows(binary(keys), np.asarray(times, np.uint64), np.asarray(diffs, np.int64),
+                    binary(ekeys), np.asarray(etimes, np.uint64), np.asarray(ediffs, np.int64))
+
+    @staticmethod
+    def empty() -> Rows:
+        return Rows.of(pa.array([], pa.binary()), [], [], pa.array([], pa.binary()), [], [])
+
+    def plus(self, o: Rows) -> Rows:
+        if not len(o.keys) and not len(o.error_keys):
+            return self
+        if not len(self.keys) and not len(self.error_keys):
+            return o
+        return Rows(
+            pa.concat_arrays([self.keys, o.keys]), np.concatenate([self.times, o.times]),
+            np.concatenate([self.diffs, o.diffs]), pa.concat_arrays([self.error_keys, o.error_keys]),
+            np.concatenate([self.error_times, o.error_times]), np.concatenate([self.error_diffs, o.error_diffs]),
+        )
+
+
 _CONTEXTS: dict[tuple[str, int, str], Any] = {}
 
 
@@ -179,9 +216,15 @@ class _Context:
 
         from services.write.state_files import WriterStateFiles
 
+        from shared.avro_columns import ColumnCodec
+        from shared.codec import MARKER
+
         self.job = job
         self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
         self.codec = RowCodec(json.loads(job.schema_json))
+        self.columns = ColumnCodec(self.codec.schema)
+        #: The single-object header of a canonical row: the current schema's fingerprint.
+        self.header = MARKER + self.codec.fingerprint
         self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
 
     @staticmethod
@@ -193,34 +236,60 @@ class _Context:
         return ctx
 
     # -- rows of the shard -> keys of one partition ------------------------------------------
-    def keys_of(self, table: pa.Table, wp: int, *, routed: bool) -> tuple[list[bytes], list[int], list[int], list[bytes], list[int], list[int]]:
-        """Rows (part schema) -> (keys, times, diffs, error keys, error times, error diffs)
-        of writer partition ``wp``; ``routed``: every row is known to be ``wp``'s."""
+    def keys_of(self, table: pa.Table, wp: int, *, routed: bool) -> Rows:
+        """Rows (part schema) -> the keys, times and diffs of writer partition ``wp``, data rows
+        and error rows apart; ``routed``: every row is known to be ``wp``'s.
+
+        Data rows are encoded to their canonical keys a table at a time
+        (:class:`shared.avro_columns.ColumnCodec`: no per-row Python); rows of objects no
+        writer partition tagged are routed by the row hash, one ``hashlib`` call per row. A
+        table holding a value no row of the schema can hold (written by hand, say) falls back
+        to the row-by-row path, which skips such a row with a warning instead of stalling."""
+        import pyarrow.compute as pc
+
         from shared.desired import row_partition
+        from shared.errors import EncodeError
         from shared.shard import DIFF, ERROR, TIME
+
+        n = self.job.partitions
+        if table.num_rows == 0:
+            return Rows.empty()
+        is_err = table[ERROR].is_valid().to_numpy(zero_copy_only=False)
+        out = Rows.empty()
+        if is_err.any():
+            et = table.filter(pa.array(is_err))
+            ekeys = pc.cast(et[ERROR], pa.binary()).combine_chunks()
+            keep = np.ones(len(ekeys), bool) if routed else np.array(
+                [error_partition(e, n) == wp for e in et[ERROR].to_pylist()], bool)
+            out = Rows.of(pa.array([], pa.binary()), [], [], ekeys.filter(pa.array(keep)),
+                          et[TIME].to_numpy()[keep], et[DIFF].to_numpy()[keep])
+        data = table.filter(pa.array(~is_err)) if is_err.any() else table
+        if data.num_rows == 0:
+            return out
+        try:
+            bodies = self.columns.encode(data.select(self.shard.row_columns))
+        except EncodeError as e:
+            log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e)
+            return out.plus(self._keys_row_by_row(data, wp, routed=routed))
+        times = data[TIME].to_numpy()
+        diffs = data[DIFF].to_numpy()
+        if not routed:
+            mine = np.array([row_partition(b, n) == wp for b in bodies.to_pylist()], bool)
+            bodies, times, diffs = bodies.filter(pa.array(mine)), times[mine], diffs[mine]
+        keys = pc.binary_join_element_wise(pa.scalar(self.header, pa.binary()), bodies, pa.scalar(b"", pa.binary()))
+        return out.plus(Rows.of(keys, times, diffs, pa.array([], pa.binary()), [], []))
+
+    def _keys_row_by_row(self, table: pa.Table, wp: int, *, routed: bool) -> Rows:
+        from shared.avro_arrow import arrow_to_rows
+        from shared.desired import row_partition
+        from shared.shard import DIFF, TIME
 
         n = self.job.partitions
         keys: list[bytes] = []
         times: list[int] = []
         diffs: list[int] = []
-        ekeys: list[bytes] = []
-        etimes: list[int] = []
-        ediffs: list[int] = []
-        if table.num_rows == 0:
-            return keys, times, diffs, ekeys, etimes, ediffs
-        from shared.avro_arrow import arrow_to_rows
-
         rows = arrow_to_rows(table.select(self.shard.row_columns), self.codec.schema)
-        errs = table[ERROR].to_pylist()
-        ts = table[TIME].to_pylist()
-        ds = table[DIFF].to_pylist()
-        for row, err, t, d in zip(rows, errs, ts, ds, strict=True):
-            if err is not None:
-                if routed or error_partition(err, n) == wp:
-                    ekeys.append(err.encode())
-                    etimes.append(t)
-                    ediffs.append(d)
-                continue
+        for row, t, d in zip(rows, table[TIME].to_pylist(), table[DIFF].to_pylist(), strict=True):
             try:
                 key = self.codec.encode(row)
             except ShardsinkError as e:  # a value no collection schema accepts: never stall
@@ -230,9 +299,9 @@ class _Context:
                 keys.append(key)
                 times.append(t)
                 diffs.append(d)
-        return keys, times, diffs, ekeys, etimes, ediffs
+        return Rows.of(pa.array(keys, pa.binary()), times, diffs, pa.array([], pa.binary()), [], [])
 
-    def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier) -> tuple[Any, ...]:
+    def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier) -> Rows:
         """Rows of ``ws``'s partition in the given objects with ``lower <= time < upper``:
         own staged objects from the state, objects tagged for other partitions skipped, the
         rest read and routed."""
@@ -241,16 +310,14 @@ class _Context:
         from shared.shard import TIME
 
         wp, n = ws.partition, self.job.partitions
-        out: list[list[Any]] = [[], [], [], [], [], []]
+        out = Rows.empty()
         routed: list[str] = []
         unrouted: list[str] = []
         for k in keys:
             own = ws.take_staged(k)
             if own is not None:
                 u, e = own
-                for i, part in enumerate((u.keys.to_pylist(), u.times.tolist(), u.diffs.tolist(),
-                                          e.keys.to_pylist(), e.times.tolist(), e.diffs.tolist())):
-                    out[i].extend(part)
+                out = out.plus(Rows.of(u.keys, u.times, u.diffs, e.keys, e.times, e.diffs))
                 continue
             tag = part_tag(k)
             if tag is not None and tag[1] == n:
@@ -270,9 +337,8 @@ class _Context:
                     m2 = pc.less(table[TIME], pa.scalar(upper.time, pa.uint64()))
                     mask = m2 if mask is None else pc.and_(mask, m2)
                 table = table.filter(mask)
-            for i, part in enumerate(self.keys_of(table, wp, routed=is_routed)):
-                out[i].extend(part)
-        return tuple(out)
+            out = out.plus(self.keys_of(table, wp, routed=is_routed))
+        return out
 
     # -- steps -------------------------------------------------------------------------------
     def start(self, ws: WriteState) -> None:
@@ -284,10 +350,10 @@ class _Context:
             log.info("partition %d adopted the shard's contents below %s as its baseline", ws.partition, upper)
             return
         keys = [p.key for b in state.batches for p in b.parts] if upper.time != 0 else []
-        k, t, d, ek, et, ed = self.read_objects(ws, keys, None, upper)
+        r = self.read_objects(ws, keys, None, upper)
         ws.absorb_persist_snapshot(
-            upper, k, np.array(t, np.uint64), np.array(d, np.int64),
-            error_keys=ek, error_times=np.array(et, np.uint64), error_diffs=np.array(ed, np.int64),
+            upper, r.keys, r.times, r.diffs, error_keys=r.error_keys, error_times=r.error_times,
+            error_diffs=r.error_diffs,
         )
 
     def read_back(self, ws: WriteState) -> None:
@@ -299,22 +365,30 @@ class _Context:
         if not persist.less_than(state.upper):
             return
         keys = [p.key for b in state.batches if not b.upper.less_equal(persist) for p in b.parts]
-        k, t, d, ek, et, ed = self.read_objects(ws, keys, persist.time, state.upper)
+        r = self.read_objects(ws, keys, persist.time, state.upper)
         ws.absorb_persist_batch(
-            persist, state.upper, k, np.array(t, np.uint64), np.array(d, np.int64),
-            error_keys=ek, error_times=np.array(et, np.uint64), error_diffs=np.array(ed, np.int64),
+            persist, state.upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
+            error_times=r.error_times, error_diffs=r.error_diffs,
         )
 
     def stage(self, ws: WriteState, decision: Stage) -> str:
-        from shared.avro_arrow import rows_to_arrow
         from shared.shard import DIFF, ERROR, TIME
 
         upd, errs = decision.updates, decision.errors
         shard = self.shard
         parts: list[pa.Table] = []
         if len(upd):
-            dicts = [self.codec.decode(k) for k in upd.keys.to_pylist()]
-            body = rows_to_arrow(dicts, shard.head(max_age_s=1e9).schema)
+            # The keys are canonical rows of the current schema (checked when decoded, or
+            # encoded from the shard's columns): decoded a table at a time, no per-row Python.
+            decoded = self.columns.decode(upd.keys, skip=len(self.header))
+            if not decoded.ok.all():
+                bad = next(iter(decoded.errors.items()))
+                raise SinkProtocolError(
+                    f"expected the correction buffer to hold canonical rows, found {len(decoded.errors)} "
+                    f"that do not decode (the first: {bad[1]})",
+                    sink_id=self.job.sink.sink_id,
+                )
+            body = decoded.table
             body = body.append_column(TIME, pa.array(upd.times, pa.uint64()))
             body = body.append_column(DIFF, pa.array(upd.diffs, pa.int64()))
             body = body.append_column(ERROR, pa.nulls(len(upd), pa.string()))
@@ -325,7 +399,7 @@ class _Context:
                     **{f.name: pa.nulls(len(errs), f.type) for f in shard.row_schema},
                     TIME: pa.array(errs.times, pa.uint64()),
                     DIFF: pa.array(errs.diffs, pa.int64()),
-                    ERROR: pa.array([k.decode("utf-8", "replace") for k in errs.keys.to_pylist()], pa.string()),
+                    ERROR: _error_texts(errs.keys),
                 }
             )
             parts.append(shard.to_table(etab))
@@ -334,50 +408,59 @@ class _Context:
         return json.dumps(staged.to_json(), sort_keys=True)
 
 
+def _error_texts(keys: pa.Array) -> pa.Array:
+    """Error keys (UTF-8 bytes of the error texts) as strings; invalid bytes replaced."""
+    try:
+        return keys.cast(pa.string())
+    except pa.ArrowInvalid:
+        return pa.array([k.decode("utf-8", "replace") for k in keys.to_pylist()], pa.string())
+
+
 def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
-    """Gaps, updates and progress of one partition in offset order (runs of updates
-    vectorised). Returns the number of undecodable messages met."""
-    kinds = table["kind"].to_pylist()
-    rows = table["row"].to_pylist()
-    times = table["time"].to_pylist()
-    diffs = table["diff"].to_pylist()
-    frs = table["frontier"].to_pylist()
-    closed = table["frontier_closed"].to_pylist()
-    errs = table["error"].to_pylist()
-    topics = table["topic"].to_pylist()
-    run: tuple[list[bytes], list[int], list[int]] = ([], [], [])
+    """Gaps, updates and progress of one partition in offset order: each run of updates
+    between two other records is absorbed as Arrow and numpy slices (no per-row Python; the
+    other records are few). Returns the number of undecodable messages met."""
+    import pyarrow.compute as pc
+
+    if table.num_rows == 0:
+        return 0
+    table = table.combine_chunks()
+    kind = table["kind"]
+    is_update = pc.equal(kind, KIND_UPDATE).to_numpy(zero_copy_only=False)
+    other = np.flatnonzero(~is_update & pc.not_equal(kind, KIND_CONTROL).to_numpy(zero_copy_only=False)
+                           & pc.equal(table["topic"], desired_topic).to_numpy(zero_copy_only=False))
+    rows = table["row"].chunk(0) if table.num_rows else pa.array([], pa.binary())
+    times = table["time"].fill_null(0).to_numpy().view(np.uint64)
+    diffs = table["diff"].fill_null(0).to_numpy()
     bad = 0
 
-    def flush() -> None:
-        if run[0]:
-            ws.absorb_desired_updates(run[0], np.array(run[1], np.uint64), np.array(run[2], np.int64))
-            for r in run:
-                r.clear()
+    def run(a: int, b: int) -> None:
+        idx = np.flatnonzero(is_update[a:b]) + a
+        if len(idx) == b - a and b > a:
+            ws.absorb_desired_updates(rows.slice(a, b - a), times[a:b], diffs[a:b])
+        elif len(idx):
+            ws.absorb_desired_updates(rows.take(pa.array(idx)), times[idx], diffs[idx])
 
-    for i, kind in enumerate(kinds):
-        if topics[i] != desired_topic or kind == KIND_CONTROL:
-            continue
-        if kind == KIND_UPDATE:
-            t = u64(times[i])
-            assert t is not None
-            run[0].append(rows[i])
-            run[1].append(t)
-            run[2].append(diffs[i])
-            continue
-        flush()
-        if kind == KIND_PROGRESS:
-            ws.absorb_desired_progress(None if closed[i] else u64(frs[i]))
-        elif kind == KIND_GAP:
-            ws.absorb_history_gap(int(frs[i]), int(times[i]))
-        elif kind == KIND_BAD:
+    pos = 0
+    for i in other.tolist():
+        run(pos, i)
+        pos = i + 1
+        k = kind[i].as_py()
+        fr = table["frontier"][i].as_py()
+        if k == KIND_PROGRESS:
+            ws.absorb_desired_progress(None if table["frontier_closed"][i].as_py() else u64(fr))
+        elif k == KIND_GAP:
+            ws.absorb_history_gap(int(fr), int(table["time"][i].as_py()))
+        elif k == KIND_BAD:
             # A row that does not match the schema keeps its time and diff; a message that does
             # not decode at all has none: it lands at the partition's frontier.
-            t_bad = u64(times[i])
+            t_bad = u64(table["time"][i].as_py())
             at = Frontier.at(t_bad) if t_bad is not None else ws.desired_frontier.join(ws.persist_frontier)
             if at.time is not None:
-                ws.absorb_desired_error(errs[i] or "bad desired message", at.time, diffs[i] if diffs[i] is not None else 1)
+                d = table["diff"][i].as_py()
+                ws.absorb_desired_error(table["error"][i].as_py() or "bad desired message", at.time, d if d is not None else 1)
                 bad += 1
-    flush()
+    run(pos, table.num_rows)
     return bad
 
 
