@@ -353,6 +353,8 @@ def with_service_defaults(builder: Any) -> Any:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.streaming.stopTimeout", "30s")
+        # Python workers forked with the sink's modules already loaded (services/worker_daemon.py)
+        .config("spark.python.daemon.module", "services.worker_daemon")
         # Checkpoint files (offset and commit logs, state store deltas) through Hadoop's
         # FileSystem API instead of FileContext: on a local or mounted path, FileContext's
         # rename asks for the link status of both paths, which Hadoop's local file system

@@ -610,6 +610,8 @@ class SinkWriter:
                 refused[wp] = body
             elif kind == "stats":
                 self.stats[wp] = json.loads(body)
+                log.debug("partition %d: step timings (input, restore, absorb, read back, stage, "
+                          "checkpoint) %s s", wp, self.stats[wp].get("timing"), extra={"sink_id": self.sink.sink_id})
         self.producer.flush()
         self.metrics.micro_batches += 1
         m = self.metrics
