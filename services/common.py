@@ -353,12 +353,6 @@ def with_service_defaults(builder: Any) -> Any:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.streaming.stopTimeout", "30s")
-        # No session extensions found on the class path: the only one the pyspark wheel has is
-        # spark-mllib's, which registers the ML SQL functions (vector_to_array, ...) through
-        # Scala reflection while the session starts, 1.6-1.9 s of a 6 s SparkSession start
-        # measured on a quiet 2-core machine (twice that under load), for functions the sink
-        # never calls. Extensions named in spark.sql.extensions still apply.
-        .config("spark.sql.extensions.test.loadFromCp", "false")
         # Python workers forked with the sink's modules already loaded (services/worker_daemon.py)
         .config("spark.python.daemon.module", "services.worker_daemon")
         # Checkpoint files (offset and commit logs, state store deltas) through Hadoop's

@@ -9,6 +9,7 @@ driver.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -109,7 +110,15 @@ def decode_partition(
 
 
 _K_UPDATE, _K_PROGRESS, _K_BAD, _K_CONTROL, _K_GAP, _K_SKIP = range(6)
-_KINDS = pa.array([KIND_UPDATE, KIND_PROGRESS, KIND_BAD, KIND_CONTROL, KIND_GAP], pa.string())
+_KIND_NAMES = (KIND_UPDATE, KIND_PROGRESS, KIND_BAD, KIND_CONTROL, KIND_GAP)
+
+
+@functools.cache
+def _kinds() -> pa.Array:
+    # Built on first use, not at import: pyarrow imports pandas (0.5 s) the first time it
+    # converts a Python list, and the planning processes Spark starts for the write source
+    # import this module without ever decoding.
+    return pa.array(_KIND_NAMES, pa.string())
 
 #: The two branches of ``schemas/desired.avsc`` as plain records (a time is a two's complement
 #: long here, as in :data:`DECODED_SCHEMA`), read after the header and the union index byte.
@@ -226,7 +235,7 @@ class DesiredDecoder:
             "topic": topic,
             "partition": rb.column("partition"),
             "offset": rb.column("offset"),
-            "kind": pc.take(_KINDS, pa.array(np.where(kind == _K_SKIP, 0, kind).astype(np.int32))),
+            "kind": pc.take(_kinds(), pa.array(np.where(kind == _K_SKIP, 0, kind).astype(np.int32))),
             "row": row.array(),
             "time": pa.array(tm, pa.int64(), mask=~has_tm),
             "diff": pa.array(diff, pa.int64(), mask=~has_diff),
