@@ -497,6 +497,15 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code or (0 if ok else 1)
 
 
+def description_lower(token: str | None) -> int | None:
+    """The lower of the description an append's token names (``"<sink id>:<epoch>:<lower>"``,
+    then an optional nonce); None for an append without one (an upper bump, an ``Append``)."""
+    parts = (token or "").split(":")
+    if len(parts) in (3, 4) and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
 def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder: StateRecorder, workload: Workload,
           final: int, msgs: list[dict[str, Any]], check_progress_order: Any, changes_of: Any, quick: bool) -> None:
     """The history checker (see the module docstring); appends each divergence found."""
@@ -518,6 +527,7 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
     # 1. linearizable appends.
     tokens: list[str] = []
     appends: list[tuple[Any, Any]] = []  # (state, new batch)
+    lowers_checked = 0
     for a, b in zip(seqnos, seqnos[1:], strict=False):
         prev, cur = states[a], states[b]
         if b != a + 1:
@@ -530,6 +540,14 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
             if rec.expected_upper != prev.upper or rec.new_upper != cur.upper:
                 divergences.append(f"expected the append at seqno {b} to go {prev.upper} -> {cur.upper}, found {rec}")
             tokens.append(rec.token)
+            lower = description_lower(rec.token)
+            if lower is not None:
+                lowers_checked += 1
+                if prev.upper.time != lower:
+                    divergences.append(
+                        f"expected the description appended at seqno {b} ({rec.token}) to start at the shard's "
+                        f"upper at its append, {prev.upper}, found lower {lower}"
+                    )
             prev_ids = {x.id for x in prev.batches}
             added = [x for x in cur.batches if x.id not in prev_ids]
             if any(x.lower != prev.upper or x.upper != cur.upper for x in added):
@@ -602,6 +620,7 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
         subscribe_changes=sum(got_changes.values()),
         subscribe_last_progress=last,
         appends_by=dict(writers),
+        description_lowers_checked=lowers_checked,
     )
 
 

@@ -46,6 +46,9 @@ def test_quick_fault_campaign_finds_no_divergence(tmp_path: Path) -> None:
     assert summary["kills"] >= 4 and set(summary["kills_by_service"]) == {"services", "controller"}
     assert summary["appends"] > 0 and summary["states_missing"] == 0
     assert summary["append_contents_checked"] > 0 and summary["uppers_checked"] > 0
+    # every description appended started at the shard's upper at its append (its lower, from
+    # the token the minter gave it, against the state before the append)
+    assert summary["description_lowers_checked"] == summary["appends"]
     assert summary["subscribe_changes"] > 0 and summary["subscribe_last_progress"] >= summary["final_upper"]
     assert summary["switched_read_only_at_upper"] is not None
     assert "chaos: OK" in proc.stderr
