@@ -45,25 +45,37 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
     shard = qh.collection(cid, SCHEMA, topic, partitions=2)
     qh.sink(sid, topic, cid)
     # A long linger: each step's records (and the progress after them, whose flush sends them)
-    # reach the broker in one request, so the write query never plans half a step, and the
-    # retraction below is in the same micro-batch as the poisoned row.
+    # reach the broker in one request. A request's records for one partition become visible
+    # together, but the broker appends its partitions one after another, so a micro-batch can be
+    # planned between two of them: every update of step 2 (its inserts, the poisoned row and a
+    # retraction) goes to one partition, so they are all in the micro-batch that fails.
     producer = DesiredProducer(qh.settings.kafka, topic, SCHEMA, linger_ms=1000)
 
-    for k in range(10):
+    def partition_of(row: dict[str, Any]) -> int:
+        return producer.partition_of(producer.rows.encode(row))
+
+    step1 = list(range(10))
+    target = partition_of({"k": 0, "v": "ok"})  # the retraction of row 0 is in step 2
+    step2 = [k for k in range(10, 1000) if partition_of({"k": k, "v": "ok"}) == target][:10]
+    poison_k = next(k for k in range(1000, 2000) if partition_of({"k": k, "v": "POISON"}) == target)
+    step3 = list(range(2000, 2010))
+    later = 3000
+
+    for k in step1:
         producer.send({"k": k, "v": "ok"}, 0, 1)
     producer.advance_to(1)
     wait_upper(qh, shard, sid, 1)
-    assert shard_contents(shard, 0).rows == {(k, "ok"): 1 for k in range(10)}
+    assert shard_contents(shard, 0).rows == {(k, "ok"): 1 for k in step1}
 
     # Step 2 holds the poisoned row: every attempt of its micro-batch fails.
-    for k in range(10, 20):
-        producer.send({"k": k, "v": "ok"}, 1, 1)
-    producer.send({"k": 99, "v": "POISON"}, 1, 1)
-    producer.send({"k": 0, "v": "ok"}, 1, -1)  # a retraction in the quarantined batch
+    for k in step2:
+        assert producer.send({"k": k, "v": "ok"}, 1, 1) == target
+    assert producer.send({"k": poison_k, "v": "POISON"}, 1, 1) == target
+    assert producer.send({"k": 0, "v": "ok"}, 1, -1) == target  # a retraction in the quarantined batch
     producer.advance_to(2)
     # Step 3 comes later; the sink must get past the poisoned batch to reach it.
     time.sleep(1.0)
-    for k in range(20, 30):
+    for k in step3:
         producer.send({"k": k, "v": "ok"}, 2, 1)
     producer.advance_to(3)
     wait_upper(qh, shard, sid, 3, deadline_s=3 * DEADLINE_S)
@@ -74,14 +86,14 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
     poison = [e for e in quarantined if '"POISON"' in e]
     assert len(poison) == 1 and quarantined[poison[0]] == 1, quarantined
     assert f"{topic}/" in poison[0] and "(RuntimeError: injected failure" in poison[0], poison[0]
-    assert (99, "POISON") not in got.rows
+    assert (poison_k, "POISON") not in got.rows
     # Nothing is lost: every good insert is in the shard or quarantined with its row; the
     # rows of step 1 were committed before the failure and stay.
     quarantined_rows = {}
     for e, d in quarantined.items():
         row = json.loads(e.split(": row ", 1)[1])
         quarantined_rows[(row["k"], row["v"])] = quarantined_rows.get((row["k"], row["v"]), 0) + d
-    for k in range(30):
+    for k in step1 + step2 + step3:
         in_shard = got.rows.get((k, "ok"), 0)
         assert in_shard in (0, 1), (k, in_shard)
         if k == 0:
@@ -91,8 +103,8 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
             assert quarantined_rows.get((k, "ok")) == 1, f"row {k} is neither in the shard nor quarantined"
         else:
             assert (k, "ok") not in quarantined_rows
-    assert all(got.rows.get((k, "ok")) == 1 for k in range(1, 10))
-    assert all((k, "ok") in quarantined_rows for k in range(10, 20)), "the poisoned batch's rows"
+    assert all(got.rows.get((k, "ok")) == 1 for k in step1[1:])
+    assert all((k, "ok") in quarantined_rows for k in step2), "the poisoned batch's rows"
 
     sink = qh.settings.catalog().state().sink(sid)
     ranges = sink_quarantine(qh.settings.store(), sid, sink.epoch)
@@ -103,10 +115,10 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
     assert status["quarantined"][sid] == ranges
 
     # The sink keeps working after the quarantine.
-    producer.send({"k": 40, "v": "ok"}, 3, 1)
+    producer.send({"k": later, "v": "ok"}, 3, 1)
     producer.advance_to(4)
     wait_upper(qh, shard, sid, 4)
-    assert shard_contents(shard, 3).rows.get((40, "ok")) == 1
+    assert shard_contents(shard, 3).rows.get((later, "ok")) == 1
 
 
 def test_the_reason_is_the_python_exception_line() -> None:
