@@ -506,6 +506,8 @@ class _Node:
 
         What it accepts is decoded at the same positions, so item positions found by skipping
         are the decoder's own; what it refuses is left to the decoder, which says why."""
+        if self.varint:
+            return _skip_varint(st, pos, end)
         if self.flat is None:
             raise NotImplementedError
         result: _I64 = np.where(pos + self.flat <= end, pos + self.flat, -1)
@@ -513,6 +515,8 @@ class _Node:
 
     def skip_one(self, view: memoryview, p: int, end: int) -> int:
         """:meth:`skip` of one position, in plain Python (for the few lanes of long arrays)."""
+        if self.varint:
+            return _varint_one(view, p, end)[1]
         if self.flat is None:
             raise NotImplementedError
         return p + self.flat if p + self.flat <= end else -1
@@ -635,12 +639,6 @@ class _IntNode(_Node):
     def __init__(self, arrow_type: pa.DataType, path: str, rule: _IntRule) -> None:
         super().__init__(arrow_type, path, varint=True)
         self.rule = rule
-
-    def skip(self, st: _State, pos: _I64, end: _I64) -> _I64:
-        return _skip_varint(st, pos, end)
-
-    def skip_one(self, view: memoryview, p: int, end: int) -> int:
-        return _varint_one(view, p, end)[1]
 
     def _decode(self, st: _State, lanes: _Lanes) -> pa.Array:
         value = _read_varint(st, lanes, f"an integer at {self.where}")
@@ -821,12 +819,6 @@ class _EnumNode(_Node):
     def __init__(self, path: str, symbols: Sequence[str]) -> None:
         super().__init__(pa.string(), path, varint=True)
         self.symbols = pa.array(list(symbols), pa.string())
-
-    def skip(self, st: _State, pos: _I64, end: _I64) -> _I64:
-        return _skip_varint(st, pos, end)
-
-    def skip_one(self, view: memoryview, p: int, end: int) -> int:
-        return _varint_one(view, p, end)[1]
 
     def _decode(self, st: _State, lanes: _Lanes) -> pa.Array:
         index = _read_varint(st, lanes, f"an enum index at {self.where}")

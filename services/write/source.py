@@ -31,8 +31,6 @@ from shared.io.spark_kafka import (
     KafkaInputPartition,
     KafkaStreamReader,
     SourceOptions,
-    offsets_from_json,
-    pending,
 )
 
 DESIRED_SOURCE = "shardsink-desired"
@@ -72,15 +70,7 @@ class DesiredStreamReader(KafkaStreamReader):
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         d = self.decode
         topic, n = d["desired_topic"], int(d["route_to"])
-        ranges = pending(offsets_from_json(start), offsets_from_json(end))
-        lows = self.low_watermarks() if self.options.history_gap_topics else {}
-        parts = []
-        for t, p, s, e in ranges:
-            low = lows.get(t, {}).get(p, 0)
-            if s < low:
-                parts.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
-            else:
-                parts.append(KafkaInputPartition(t, p, s, e))
+        parts = self.input_ranges(start, end)
         for r in parts:
             if r.topic == topic and r.partition >= n:
                 from shared.errors import SinkProtocolError

@@ -514,20 +514,24 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def reportLatestOffset(self) -> dict[str, Any] | None:
         return offsets_to_json(self._latest) if self._latest is not None else None
 
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+    def input_ranges(self, start: dict[str, Any], end: dict[str, Any]) -> list[KafkaInputPartition]:
+        """The ranges ``[start, end)`` of every partition; on a history-gap topic, offsets below
+        the low watermark are marked lost (``lost_from``) instead of read."""
         ranges = pending(offsets_from_json(start), offsets_from_json(end))
         if not self.options.history_gap_topics:
-            parts = [KafkaInputPartition(t, p, s, e) for t, p, s, e in ranges]
-        else:
-            lows = self.low_watermarks()
-            parts = []
-            for t, p, s, e in ranges:
-                low = lows.get(t, {}).get(p, 0)
-                if s < low:
-                    parts.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
-                else:
-                    parts.append(KafkaInputPartition(t, p, s, e))
-        return pack_ranges(parts, self.options.min_records_per_task)
+            return [KafkaInputPartition(t, p, s, e) for t, p, s, e in ranges]
+        lows = self.low_watermarks()
+        parts = []
+        for t, p, s, e in ranges:
+            low = lows.get(t, {}).get(p, 0)
+            if s < low:
+                parts.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
+            else:
+                parts.append(KafkaInputPartition(t, p, s, e))
+        return parts
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return pack_ranges(self.input_ranges(start, end), self.options.min_records_per_task)
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # Spark keeps the offsets in its checkpoint; nothing to commit to Kafka
