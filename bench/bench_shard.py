@@ -14,7 +14,6 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -24,7 +23,6 @@ import time
 import uuid
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

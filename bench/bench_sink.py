@@ -46,6 +46,7 @@ the load average of each phase is reported (``load``).
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import os
@@ -597,6 +598,11 @@ def main() -> int:
         finally:
             for p in procs:
                 p.kill()
+            # The workload's librdkafka producers go before the broker does: one left to the
+            # garbage collector keeps reconnecting to a stopped broker, a line on stderr each time.
+            producer = wl = None  # type: ignore[assignment]
+            rwl = None  # type: ignore[assignment]
+            gc.collect()
 
     # -- 5. correction buffer memory during hydration (no I/O) --------------------------------
     from bench_correction import measure_hydration_ratio

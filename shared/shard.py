@@ -192,6 +192,8 @@ def consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
         else:
             out = out.rename_columns([*keys, DIFF])
         out = out.select([*keys, DIFF])
+    # The input's fields (nullability included: a sum or a sort may report its column nullable).
+    out = out.cast(pa.schema([table.schema.field(n) for n in out.column_names]))
     diffs = out[DIFF]
     if diffs.null_count == 0 and pc.all(pc.not_equal(diffs, 0)).as_py():
         return out

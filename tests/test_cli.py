@@ -154,6 +154,15 @@ def test_cli_end_to_end_create_append_peek_tail_status_drop(
     assert code == 0, err
     table = pq.read_table(f)
     assert Counter({(r["k"], r["v"]): r["count"] for r in table.to_pylist()}) == model.at(2)
+    # The same Parquet schema when the answer came inline, and the Python snapshot's nullability
+    # (its `_diff` is peek's `count`).
+    f2 = tmp_path / "peek-inline.parquet"
+    code, out, err = run(capsys, "peek", "cli1", "--as-of", "2", "--output", "parquet", "--file", str(f2))
+    assert code == 0, err
+    inline = pq.read_table(f2)
+    assert inline.schema == table.schema and inline.equals(table), (inline.schema, table.schema)
+    snap = Shard(cs.service.store(), "cli1").snapshot(2).select(["k", "v", "_diff"])
+    assert [(fl.type, fl.nullable) for fl in table.schema] == [(fl.type, fl.nullable) for fl in snap.schema]
 
     # Tail a live subscribe: it starts while the upper is 4 and ends at up-to 8, after more
     # appends (sent while it runs).
@@ -241,8 +250,18 @@ def test_cli_sinks_via_controller_and_catalog(env: ControllerSettings, tmp_path:
                "lag:5", "--via", "catalog")[0] == 0
     assert catalog.state().collection("cli2c").read_policy == {"kind": "lag_writes_by", "lag": 5, "granularity": None}
     assert Shard(env.service.store(), "cli2c").refresh().since.time == 4
-    assert run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:4,lag:9:3", "--via", "catalog")[0] == 0
+    assert run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:7,valid-from:4", "--via", "catalog")[0] == 0
     assert catalog.state().collection("cli2c").read_policy["kind"] == "multiple"
+    # A policy below the since is refused there too, as the controller refuses it (a lag
+    # policy on this empty collection implies 0), and the policy is left unchanged.
+    code, out, err = run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:4,lag:9:3", "--via", "catalog")
+    assert code == 2 and err.startswith("error: SinceViolationError: ") and err.count("\n") == 1, err
+    code, out, err = run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:2", "--via", "catalog")
+    assert code == 2 and err.startswith("error: SinceViolationError: ") and err.count("\n") == 1, err
+    assert catalog.state().collection("cli2c").read_policy["kind"] == "multiple"
+    code, out, _ = run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:6", "--via", "catalog")
+    assert code == 0 and json.loads(out)["since"] == 4, out
+    assert catalog.state().collection("cli2c").read_policy == {"kind": "valid_from", "frontier": 6}
     assert run(capsys, "collection", "drop", "cli2c", "--via", "catalog")[0] == 0
     assert catalog.state().collections["cli2c"].dropped and Shard(env.service.store(), "cli2c").refresh().dropped
     code, out, err = run(capsys, "collection", "list")

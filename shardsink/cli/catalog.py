@@ -227,9 +227,23 @@ def _collection_alter(args: argparse.Namespace) -> int:
     policy = parse_read_policy(args.read_policy)
     if _via_controller(args):
         _call(args, "SetReadPolicy", {"collection_id": args.collection_id, "policy": policy_to_avro(policy)})
-    else:
-        _settings(args).catalog().alter_collection(args.collection_id, policy.to_json())
-    print_json({"altered": args.collection_id, "read_policy": policy.to_json()})
+        print_json({"altered": args.collection_id, "read_policy": policy.to_json()})
+        return 0
+    from shared.errors import SinceViolationError
+    from shared.shard import Shard
+
+    s = _settings(args)
+    s.catalog().state().collection(args.collection_id)  # an unknown or dropped id: its typed error first
+    state = Shard.open(s.store(), args.collection_id).refresh()
+    implied = policy.implied(state.upper)
+    if not state.since.less_equal(implied):  # the controller's SetReadPolicy refuses the same
+        raise SinceViolationError(
+            f"expected a read policy whose since is at or above collection {args.collection_id!r}'s since "
+            f"{state.since!r}, found one that implies {implied!r}: history below the since was compacted "
+            "away; the policy was not changed"
+        )
+    s.catalog().alter_collection(args.collection_id, policy.to_json())
+    print_json({"altered": args.collection_id, "read_policy": policy.to_json(), "since": state.since.to_json()})
     return 0
 
 

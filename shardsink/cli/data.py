@@ -244,10 +244,27 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
         table = pq.read_table(io.BytesIO(data))
         table = table.rename_columns(["count" if c == "_diff" else c for c in table.column_names])
     table = _sorted_by_row(table, [f["name"] for f in codec.schema.get("fields", [])])
+    table = table.cast(_peek_schema(table.schema, codec.schema))
     total = table.num_rows
     if limit is not None:
         table = table.slice(0, limit)
     return int(body["as_of"]), table, total
+
+
+def _peek_schema(have: pa.Schema, row_schema: dict[str, Any]) -> pa.Schema:
+    """What a peek prints or writes, whichever way the controller answered (inline rows or an
+    S3 object): the row columns as the Python snapshot has them (the collection's Arrow types,
+    nullable, as in every data object), ``count`` (the snapshot's ``_diff``: int64, never null)
+    and ``_error`` when the answer holds error rows, in the order the answer has them."""
+    from shared.avro_arrow import avro_to_arrow_schema
+    from shared.shard import DIFF, part_schema
+
+    part = part_schema(avro_to_arrow_schema(row_schema))
+    count = pa.field("count", pa.int64(), nullable=False)
+    return pa.schema([
+        count if name in ("count", DIFF) else part.field(name) if name in part.names else have.field(name)
+        for name in have.names
+    ])
 
 
 def _download(s: Any, bucket: str, key: str) -> bytes:
@@ -353,7 +370,7 @@ def _tail(args: argparse.Namespace) -> int:
     consumer.assign([TopicPartition(topic, 0, start)])
     session = ControllerSession(args)
     sid: str | None = None
-    done = acked = cancelled = False
+    done = acked = False
     try:
         sid = session.send("Subscribe", {
             "collection_id": args.collection_id, "output_topic": topic, "as_of": args.as_of,
@@ -383,7 +400,7 @@ def _tail(args: argparse.Namespace) -> int:
             out.flush()
     except KeyboardInterrupt:
         if sid is not None:
-            cancelled = _cancel(session, sid)
+            _cancel(session, sid)
         raise
     finally:
         consumer.close()

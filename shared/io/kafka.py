@@ -49,7 +49,6 @@ reused; only partitions whose watermark moved are fetched, all in one ``assign()
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import uuid
