@@ -60,6 +60,7 @@ class ServicesCollector(Collector):
             "contract_violations": "updates below their partition's progress",
             "batches_staged": "batches staged",
             "rows_staged": "rows staged",
+            "error_rows_staged": "error rows staged (updates that could not be written as rows)",
         }
         for field, doc in w_fields.items():
             c = CounterMetricFamily(f"shardsink_write_{field}", doc, labels=["sink"])

@@ -7,7 +7,7 @@ The public Python API::
     orders = shardsink.open_collection("orders")   # S3 settings from the environment
     table = orders.snapshot(as_of=41)               # pyarrow.Table: row columns + _diff
     with orders.subscribe(as_of=41, up_to=100) as sub:
-        for event in sub:                           # shardsink.Change / shardsink.Progress
+        for event in sub:                           # shardsink.Change / ErrorRow / Progress
             ...
 
 Errors are typed and grouped by cause under :class:`ShardsinkError`; the ones a reader meets
@@ -72,14 +72,15 @@ from shared.errors import (
 )
 
 if TYPE_CHECKING:
-    from shared.io.client import Change, Collection, Progress, Subscription, open_collection
+    from shared.io.client import Change, Collection, ErrorRow, Progress, Subscription, open_collection
 
 #: Names served lazily from ``shared.io.client`` (it imports boto3 and pyarrow).
-_CLIENT = ("Change", "Collection", "Progress", "Subscription", "open_collection")
+_CLIENT = ("Change", "Collection", "ErrorRow", "Progress", "Subscription", "open_collection")
 
 __all__ = [
     "Change",
     "Collection",
+    "ErrorRow",
     "Progress",
     "Subscription",
     "open_collection",

@@ -446,7 +446,8 @@ class Shard:
         data = buf.getvalue()
         key = self._data_key(tag)
         self.store.put(key, data, if_absent=True)
-        return Part(key=key, rows=table.num_rows, bytes=len(data))
+        errors = table.num_rows - table[ERROR].null_count if ERROR in table.column_names else 0
+        return Part(key=key, rows=table.num_rows, bytes=len(data), errors=errors)
 
     def _read_parts(self, keys: Sequence[str]) -> pa.Table:
         schema = self.part_schema

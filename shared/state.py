@@ -45,18 +45,23 @@ FANOUT = 4
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """One write-once Parquet data object."""
+    """One write-once Parquet data object. ``errors``: how many of its ``rows`` are error rows
+    (``_error`` set), written to the state only when there are any."""
 
     key: str
     rows: int
     bytes: int
+    errors: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "rows": self.rows, "bytes": self.bytes}
+        d: dict[str, Any] = {"key": self.key, "rows": self.rows, "bytes": self.bytes}
+        if self.errors:
+            d["errors"] = self.errors
+        return d
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Part:
-        return Part(key=str(d["key"]), rows=int(d["rows"]), bytes=int(d["bytes"]))
+        return Part(key=str(d["key"]), rows=int(d["rows"]), bytes=int(d["bytes"]), errors=int(d.get("errors", 0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +243,11 @@ class ShardState:
 
     def total_rows(self) -> int:
         return sum(b.rows for b in self.batches)
+
+    def total_errors(self) -> int:
+        """Error rows held in the batches (rows the sink could not write as rows; after a
+        compaction, as consolidated)."""
+        return sum(p.errors for b in self.batches for p in b.parts)
 
     def total_bytes(self) -> int:
         return sum(p.bytes for b in self.batches for p in b.parts)

@@ -191,7 +191,7 @@ def test_cli_end_to_end_create_append_peek_tail_status_drop(
     def expected() -> dict[str, Any]:
         shard = Shard(cs.service.store(), "cli1").refresh()
         return {"collection": "cli1", "upper": 9, "since": 0, "lag": None, "batches": len(shard.batches),
-                "rows": shard.total_rows(), "bytes": shard.total_bytes(), "sinks": []}
+                "rows": shard.total_rows(), "errors": 0, "bytes": shard.total_bytes(), "sinks": []}
 
     before = expected()
     code, out, err = run(capsys, "status", "--output", "json")
@@ -398,6 +398,41 @@ def test_cli_error_paths_are_one_line_and_exit_2(env: ControllerSettings, tmp_pa
     monkeypatch.setenv("SHARDSINK_TOPIC_COMMANDS", f"{env.commands_topic}-nobody")
     code, out, err = run(capsys, "peek", "cli4", "--as-of", "3", "--timeout", "1")
     assert code == 2 and err.count("\n") == 1 and "is the controller running" in err, err
+
+
+def test_error_rows_show_in_tail_subscribe_status_and_snapshot(env: ControllerSettings, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An error row (an update the sink could not write as a row) is visible wherever a user
+    reads: ``tail`` prints it as an ``error`` line, the Python subscribe yields it as an
+    ``ErrorRow``, ``status`` counts it and warns, ``snapshot(include_errors=True)`` holds it."""
+    from shardsink import ErrorRow, Progress, open_collection
+
+    schema = _schema_file(tmp_path)
+    assert run(capsys, "collection", "create", "cli-err", "--schema", schema)[0] == 0
+    shard = Shard(env.service.store(), "cli-err")
+    reason = "update at desired-x/0@41 (time 1, diff 1): expected an int, found 2147483648: row {\"k\": 2147483648}"
+    shard.compare_and_append([({"k": 1, "v": "a"}, 0, 1), (None, 1, 1, reason), ({"k": 2, "v": "b"}, 1, 1)], 0, 2)
+
+    code, out, err = run(capsys, "tail", "cli-err", "--as-of", "0", "--up-to", "2", "--progress")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert [line for line in lines if not line.startswith("progress\t")] == [
+        '0\t1\t{"k": 1, "v": "a"}', '1\t1\t{"k": 2, "v": "b"}', f"error\t1\t1\t{reason}"], lines
+    assert lines[-2:] == ["progress\t2", "progress\tclosed"], lines  # up-to reached: the end
+
+    with open_collection("cli-err", env.service.store()).subscribe(as_of=0, up_to=2) as sub:
+        events = list(sub)
+    assert [e for e in events if isinstance(e, ErrorRow)] == [ErrorRow(1, 1, reason)]
+    assert events[-1] == Progress(2)
+
+    code, out, err = run(capsys, "status", "--output", "json")
+    st = {json.loads(line)["collection"]: json.loads(line) for line in out.splitlines()}["cli-err"]
+    assert code == 0 and st["errors"] == 1 and st["rows"] == 3, st
+    code, out, err = run(capsys, "status")
+    assert code == 0 and "warning: cli-err holds 1 error rows" in err, err
+    snap = open_collection("cli-err", env.service.store()).snapshot(1, include_errors=True)
+    assert snap["_error"].to_pylist().count(reason) == 1
+    assert run(capsys, "collection", "drop", "cli-err")[0] == 0
 
 
 def test_progress_bar_draws_on_request_only() -> None:

@@ -29,6 +29,7 @@ from shared.codec import (
     kind_of,
     load_schema,
     message_codec,
+    previous_schemas,
     tagged,
 )
 from shared.errors import CodecError, DecodeError, EncodeError, SchemaError
@@ -294,9 +295,11 @@ EXAMPLES: dict[str, list[Any]] = {
         {"shard_id": "x", "sink_id": None, "upper": None, "desc_token": None, "updated_at_ms": 0},
     ],
     "subscribe_output": [
-        {"subscribe_id": "c13", "time": 5, "progressed": False, "diff": 1, "row": ROW},
-        {"subscribe_id": "c13", "time": 6, "progressed": True, "diff": None, "row": None},
-        {"subscribe_id": "c13", "time": None, "progressed": True, "diff": None, "row": None},
+        {"subscribe_id": "c13", "time": 5, "progressed": False, "diff": 1, "row": ROW, "error": None},
+        {"subscribe_id": "c13", "time": 5, "progressed": False, "diff": 1, "row": None,
+         "error": "update at desired-orders/0@41: expected an int, found 2147483648"},
+        {"subscribe_id": "c13", "time": 6, "progressed": True, "diff": None, "row": None, "error": None},
+        {"subscribe_id": "c13", "time": None, "progressed": True, "diff": None, "row": None, "error": None},
     ],
 }
 
@@ -332,12 +335,20 @@ def from_json(v: Any) -> Any:
     return v
 
 
+def version_of(name: str) -> int:
+    """The current schema's version: 1 + its older versions under ``schemas/previous/``."""
+    return 1 + len(previous_schemas(name))
+
+
 def regenerate_fixtures() -> None:  # pragma: no cover - run by hand after a schema version bump
+    """Writes the current version's fixture of every schema; older versions' fixtures stay as
+    they are (the bytes an older writer produced)."""
     FIXTURES.mkdir(parents=True, exist_ok=True)
     for name in SCHEMA_NAMES:
         value = EXAMPLES[name][0]
-        (FIXTURES / f"{name}-v1.bin").write_bytes(message_codec(name).encode(value))
-        (FIXTURES / f"{name}-v1.json").write_text(
+        v = version_of(name)
+        (FIXTURES / f"{name}-v{v}.bin").write_bytes(message_codec(name).encode(value))
+        (FIXTURES / f"{name}-v{v}.json").write_text(
             json.dumps(to_json(value), indent=1, sort_keys=True) + "\n"
         )
 
@@ -461,17 +472,33 @@ def test_values_that_do_not_fit_raise_encode_error(value: Any, message: str) -> 
 
 @pytest.mark.parametrize("name", SCHEMA_NAMES)
 def test_golden_fixture_decodes_to_its_json_and_encodes_to_its_bytes(name: str) -> None:
-    data = (FIXTURES / f"{name}-v1.bin").read_bytes()
-    expected = from_json(json.loads((FIXTURES / f"{name}-v1.json").read_text()))
+    v = version_of(name)
+    data = (FIXTURES / f"{name}-v{v}.bin").read_bytes()
+    expected = from_json(json.loads((FIXTURES / f"{name}-v{v}.json").read_text()))
     codec = message_codec(name)
     assert codec.decode(data) == expected
     assert codec.encode(expected) == data
     assert expected == EXAMPLES[name][0]
 
 
+@pytest.mark.parametrize("name", [n for n in SCHEMA_NAMES if version_of(n) > 1])
+def test_older_golden_fixtures_still_decode_with_the_new_fields_defaults(name: str) -> None:
+    """Bytes an older writer put on a topic stay readable after a schema change: every field
+    they had decodes as before, and each field added since takes its default."""
+    current = {f["name"]: f for f in load_schema(name)["fields"]}
+    for v in range(1, version_of(name)):
+        data = (FIXTURES / f"{name}-v{v}.bin").read_bytes()
+        old = from_json(json.loads((FIXTURES / f"{name}-v{v}.json").read_text()))
+        decoded = message_codec(name).decode(data)
+        assert {k: decoded[k] for k in old} == old
+        assert {k: decoded[k] for k in decoded if k not in old} == {
+            k: f["default"] for k, f in current.items() if k not in old
+        }
+
+
 def test_golden_fixtures_are_tiny() -> None:
     sizes = {p.name: p.stat().st_size for p in FIXTURES.glob("*.bin")}
-    assert set(sizes) == {f"{n}-v1.bin" for n in SCHEMA_NAMES}
+    assert set(sizes) == {f"{n}-v{v}.bin" for n in SCHEMA_NAMES for v in range(1, version_of(n) + 1)}
     assert max(sizes.values()) < 512
 
 

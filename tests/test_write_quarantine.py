@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from services.write.service import is_input_failure
+from shardsink import ErrorRow, open_collection
 from shardsink.cli.data import collection_status
 from shared.catalog import sink_quarantine
 from shared.embedded import EmbeddedStack
@@ -113,6 +114,14 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
     assert qh.services.writers[sid].metrics.quarantined_ranges == len(ranges)
     status = next(r for r in collection_status(qh.settings) if r["collection"] == cid)
     assert status["quarantined"][sid] == ranges
+    # The error rows are counted where a user looks: status, the metric (a report re-sent
+    # after a restart counts again, never less), and a subscribe yields each of them.
+    assert status["errors"] == len(quarantined), (status["errors"], quarantined)
+    assert qh.services.writers[sid].metrics.error_rows_staged >= len(quarantined) > 0
+    with open_collection(cid, qh.settings).subscribe(as_of=0, up_to=3) as sub:
+        errs = [e for e in sub if isinstance(e, ErrorRow)]
+    assert sorted((e.error, e.diff) for e in errs) == sorted(quarantined.items())
+    assert {e.time for e in errs} == {1}
 
     # The sink keeps working after the quarantine.
     producer.send({"k": later, "v": "ok"}, 3, 1)

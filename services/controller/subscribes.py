@@ -233,7 +233,7 @@ class SubscribesRoom(CommandLoop):
             state = col.shard.refresh()
             progress = sub.get("progress")
             as_of = int(sub["as_of"])
-            changes: list[tuple[int, bytes, int]] = []
+            changes: list[tuple[int, bytes | None, int, str | None]] = []
             if progress is None:
                 lower = as_of + 1
                 if sub.get("with_snapshot", True):
@@ -244,9 +244,9 @@ class SubscribesRoom(CommandLoop):
             if to.is_empty() or lower < (to.time or 0):
                 table = col.shard.updates_between(state, lower, to)
                 changes += self._changes(col, table, None)
-            changes.sort(key=lambda c: (c[0], c[1], c[2]))
-            for t, row, d in changes:
-                out.append(enc({"subscribe_id": sid, "time": t, "progressed": False, "diff": d, "row": row}))
+            changes.sort(key=lambda c: (c[0], c[3] is not None, c[1] or (c[3] or "").encode(), c[2]))
+            for t, row, d, err in changes:
+                out.append(enc({"subscribe_id": sid, "time": t, "progressed": False, "diff": d, "row": row, "error": err}))
             if not to.is_empty():
                 out.append(enc({"subscribe_id": sid, "time": to.time, "progressed": True, "diff": None, "row": None}))
         if final:
@@ -254,14 +254,25 @@ class SubscribesRoom(CommandLoop):
         return [bytes(m) for m in out]
 
     @staticmethod
-    def _changes(col: OpenCollection, table: pa.Table, at: int | None) -> list[tuple[int, bytes, int]]:
+    def _changes(col: OpenCollection, table: pa.Table, at: int | None) -> list[tuple[int, bytes | None, int, str | None]]:
+        """``(time, encoded row, diff, None)`` per change and ``(time, None, diff, reason)`` per
+        error row (it has no row to send: the message says why)."""
         if table.num_rows == 0:
             return []
-        ok = table.filter(pc.is_null(table[ERROR]))  # error rows have no row to send
+        is_ok = pc.is_null(table[ERROR])
+        ok = table.filter(is_ok)
         rows = arrow_to_rows(ok.select(col.shard.row_columns), col.row_codec.schema)
         diffs = ok[DIFF].to_pylist()
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
-        return [(int(t), col.row_codec.encode(r), int(d)) for t, r, d in zip(times, rows, diffs, strict=True)]
+        out: list[tuple[int, bytes | None, int, str | None]] = [
+            (int(t), col.row_codec.encode(r), int(d), None) for t, r, d in zip(times, rows, diffs, strict=True)
+        ]
+        if ok.num_rows < table.num_rows:
+            bad = table.filter(pc.invert(is_ok))
+            bad_times = [at] * bad.num_rows if at is not None else bad[TIME].to_pylist()
+            out += [(int(t), None, int(d), str(e)) for t, d, e in
+                    zip(bad_times, bad[DIFF].to_pylist(), bad[ERROR].to_pylist(), strict=True)]
+        return out
 
     def _count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
         """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset

@@ -145,6 +145,7 @@ class WriteMetrics:
     batches_staged: int = 0
     reports_sent: int = 0
     rows_staged: int = 0
+    error_rows_staged: int = 0
     micro_batches: int = 0
     buffer_updates: int = 0
     buffer_bytes: int = 0
@@ -588,6 +589,24 @@ class SinkWriter:
     stats: dict[int, dict[str, Any]] = field(default_factory=dict)
     unproven: dict[int, str] = field(default_factory=dict)
 
+    def _note_error_rows(self, report: Any) -> None:
+        """A log line and the ``error_rows_staged`` metric when a staged batch holds error rows
+        (updates that could not be written as rows; the parts count them)."""
+        try:
+            handle = json.loads(report.staged) if isinstance(report.staged, str) else report.staged
+            errors = sum(int(p.get("errors", 0)) for p in handle.get("parts", ()))
+        except (ValueError, TypeError, AttributeError):
+            return
+        if errors:
+            self.metrics.error_rows_staged += errors
+            log.warning(
+                "sink %s: %d error row(s) staged for times [%s, %s) by writer partition %d (updates "
+                "that could not be written as rows; each names its source offset and the reason: "
+                "snapshot(include_errors=True), tail or subscribe show them)",
+                self.sink.sink_id, errors, report.lower.to_json(), report.upper.to_json(), report.partition,
+                extra={"sink_id": self.sink.sink_id},
+            )
+
     def handle(self, rows: pa.Table) -> None:
         """One micro-batch of the stateful step's output (a few rows per partition)."""
         from shared.codec import message_codec
@@ -606,6 +625,7 @@ class SinkWriter:
                 if report.staged is not None:
                     self.metrics.batches_staged += 1
                     self.metrics.rows_staged += report.rows
+                    self._note_error_rows(report)
             elif kind == "refuse":
                 refused[wp] = body
             elif kind == "stats":

@@ -17,13 +17,13 @@ either, the upper goes to the largest time + 1), split into chunks of ``--chunk-
 
 ``peek`` sends ``Peek`` and prints the (row, count) pairs it answers, inline or from the
 S3 Parquet object the answer names. ``tail`` sends ``Subscribe`` with a fresh output topic
-(``--topic`` to name one), prints each change as ``time<TAB>diff<TAB>row-json`` and, with
-``--progress``, each progress statement as ``progress<TAB>T`` (``progress<TAB>closed`` at the
+(``--topic`` to name one), prints each change as ``time<TAB>diff<TAB>row-json``, each error
+row as ``error<TAB>time<TAB>diff<TAB>reason`` and, with ``--progress``, each progress statement as ``progress<TAB>T`` (``progress<TAB>closed`` at the
 end). It stops when the subscribe ends (``--up-to`` reached, collection dropped) or on
 Ctrl-C, which cancels the subscribe (exit 130).
 
 ``status`` reads the catalog and the shards on S3 directly (no controller needed): upper,
-since, lag, batches, rows and bytes per live collection. *lag* is the desired frontier of the
+since, lag, batches, rows, error rows and bytes per live collection. *lag* is the desired frontier of the
 collection's sinks (the last progress statement of every partition of the desired topic,
 looked for in the last ``--lag-window`` messages of each partition) minus the upper, in time
 units; ``-`` when the collection has no sink or no progress statement was found. The upper is
@@ -92,7 +92,7 @@ def register(sub: Any) -> None:
     add_connection_args(p)
     p.set_defaults(func=_tail)
 
-    p = sub.add_parser("status", help="every collection: upper, since, lag, batches, rows, bytes",
+    p = sub.add_parser("status", help="every collection: upper, since, lag, batches, rows, errors, bytes",
                        description=_STATUS, formatter_class=fmt)
     p.add_argument("--output", choices=("table", "json"), default="table", help="the output format (default table)")
     p.add_argument("--lag-window", type=int, default=1000,
@@ -116,6 +116,7 @@ Parquet. The controller answers inline or with an S3 Parquet object, read from t
 
 _TAIL = """\
 Subscribe to a collection and print each change as time<TAB>diff<TAB>row-json, like kcat;
+each error row (an update the sink could not write as a row) as error<TAB>time<TAB>diff<TAB>reason;
 with --progress also progress<TAB>T lines (progress<TAB>closed at the end).
 
 The subscribe writes to a fresh output topic (--topic to name one), left on the broker at the
@@ -124,7 +125,7 @@ stops when the subscribe ends (--up-to reached, collection dropped) or on Ctrl-C
 cancels the subscribe (exit 130)."""
 
 _STATUS = """\
-Print upper, since, lag, batches, rows and bytes of every live collection, read from the
+Print upper, since, lag, batches, rows, error rows and bytes of every live collection, read from the
 catalog and the shards on S3 directly (no controller needed; nothing is created).
 
 lag is the desired frontier of the collection's sinks (the last progress statement of every
@@ -392,6 +393,9 @@ def _tail(args: argparse.Namespace) -> int:
                         done = True
                     if args.progress:
                         out.write(f"progress\t{'closed' if msg['time'] is None else msg['time']}\n")
+                elif msg.get("error") is not None:  # an error row: no row, the reason instead
+                    reason = " ".join(str(msg["error"]).split())  # one line, whatever it holds
+                    out.write(f"error\t{msg['time']}\t{msg['diff']}\t{reason}\n")
                 else:
                     row = json.dumps(codec.decode(msg["row"]), default=_json_default, sort_keys=False)
                     out.write(f"{msg['time']}\t{msg['diff']}\t{row}\n")
@@ -566,6 +570,7 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
                 "lag": lag,
                 "batches": len(st.batches),
                 "rows": st.total_rows(),
+                "errors": st.total_errors(),
                 "bytes": st.total_bytes(),
             })
             out.append(entry)
@@ -579,7 +584,7 @@ def _status(args: argparse.Namespace) -> int:
         for r in rows:
             print_json(r)
         return 0
-    cols = ["collection", "upper", "since", "lag", "batches", "rows", "bytes", "sinks"]
+    cols = ["collection", "upper", "since", "lag", "batches", "rows", "errors", "bytes", "sinks"]
 
     def show(r: dict[str, Any], c: str) -> Any:
         v = r.get(c)
@@ -595,13 +600,16 @@ def _status(args: argparse.Namespace) -> int:
     for r in errors:
         print(f"warning: {r['collection']}: {r['error']}", file=sys.stderr)
     for r in rows:
+        if r.get("errors"):
+            print(f"warning: {r['collection']} holds {r['errors']} error rows (updates the sink could not "
+                  f"write as rows; read them with snapshot(include_errors=True) or tail)", file=sys.stderr)
         for sid, msg in r.get("refusing", {}).items():
             print(f"error: sink {sid} refuses to write: {msg}", file=sys.stderr)
         for sid, ranges in r.get("quarantined", {}).items():
-            rows = sum(int(q["end"]) - int(q["start"]) for q in ranges)
+            offsets = sum(int(q["end"]) - int(q["start"]) for q in ranges)
             parts = ", ".join(f"{q['topic']}/{q['partition']}@[{q['start']},{q['end']})" for q in ranges)
             print(
-                f"warning: sink {sid} quarantined {rows} desired offsets to the error collection "
+                f"warning: sink {sid} quarantined {offsets} desired offsets to the error collection "
                 f"after repeated write failures ({ranges[-1]['reason']}): {parts}",
                 file=sys.stderr,
             )

@@ -9,7 +9,7 @@
     table = orders.snapshot(as_of=41)             # pyarrow.Table: row columns + _diff (count)
     df = orders.to_pandas(as_of=41)
     with orders.subscribe(as_of=41, up_to=100) as sub:
-        for event in sub:                         # Change(time, diff, row) / Progress(frontier)
+        for event in sub:                         # Change / ErrorRow / Progress(frontier)
             ...
 
 Reads go to the shard on S3 directly (no controller, no Kafka): a snapshot reads the batches
@@ -31,8 +31,9 @@ at times in ``(as_of, up_to)``, each step followed by ``Progress(frontier)`` (no
 at times below ``frontier``), like the controller's subscribe output. Changes come in time
 order and, within one time, in row order (as snapshots do). It ends after
 ``Progress(up_to)``, or with ``Progress(None)`` when the collection is closed or dropped.
-Error rows (rows the sink could not decode, ``_error`` set) are left out of subscribes and,
-unless ``include_errors=True``, of snapshots.
+Error rows (updates the sink could not write as rows: ``_error`` set, naming the update, its
+source offset and the reason) come in a subscribe as ``ErrorRow(time, diff, error)`` events,
+after the changes of their time. Snapshots leave them out unless ``include_errors=True``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from shared.frontier import Frontier
 from shared.shard import DIFF, ERROR, TIME, Shard
 from shared.state import LEASED
 
-__all__ = ["Change", "Collection", "Progress", "Subscription", "open_collection"]
+__all__ = ["Change", "Collection", "ErrorRow", "Progress", "Subscription", "open_collection"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,16 @@ class Change:
     time: int
     diff: int
     row: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRow:
+    """An error row changed by ``diff`` at ``time``: an update the sink could not write as a
+    row. ``error`` names the update, its source offset and the reason."""
+
+    time: int
+    diff: int
+    error: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +210,10 @@ class Subscription:
         self.up_to = up_to
         self._iter = self._run()
 
-    def __iter__(self) -> Iterator[Change | Progress]:
+    def __iter__(self) -> Iterator[Change | ErrorRow | Progress]:
         return self
 
-    def __next__(self) -> Change | Progress:
+    def __next__(self) -> Change | ErrorRow | Progress:
         return next(self._iter)
 
     def __enter__(self) -> Subscription:
@@ -229,25 +240,31 @@ class Subscription:
         except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
             pass
 
-    def _changes(self, table: pa.Table, at: int | None) -> list[Change]:
+    def _changes(self, table: pa.Table, at: int | None) -> list[Change | ErrorRow]:
         if table.num_rows == 0:
             return []
-        ok = _sorted_by_row(table.filter(pc.is_null(table[ERROR])), self.shard.row_columns)
+        is_ok = pc.is_null(table[ERROR])
+        ok = _sorted_by_row(table.filter(is_ok), self.shard.row_columns)
         # the one Arrow -> Avro mapping: maps as dicts, uuids and nanosecond times as decoded
         rows = arrow_to_rows(ok.select(self.shard.row_columns), self.shard.head(max_age_s=1e9).schema)
         diffs = ok[DIFF].to_pylist()
         times = [at] * ok.num_rows if at is not None else ok[TIME].to_pylist()
-        out = [Change(int(t), int(d), r) for t, d, r in zip(times, diffs, rows, strict=True)]
+        out: list[Change | ErrorRow] = [Change(int(t), int(d), r) for t, d, r in zip(times, diffs, rows, strict=True)]
+        if ok.num_rows < table.num_rows:  # error rows after the changes of their time, by reason
+            bad = table.filter(pc.invert(is_ok)).sort_by([(ERROR, "ascending")])
+            bad_times = [at] * bad.num_rows if at is not None else bad[TIME].to_pylist()
+            out += [ErrorRow(int(t), int(d), str(e)) for t, d, e in
+                    zip(bad_times, bad[DIFF].to_pylist(), bad[ERROR].to_pylist(), strict=True)]
         out.sort(key=lambda c: c.time)  # stable: within one time, in row order
         return out
 
-    def _run(self) -> Iterator[Change | Progress]:
+    def _run(self) -> Iterator[Change | ErrorRow | Progress]:
         try:
             yield from self._steps()
         finally:
             self._release()
 
-    def _steps(self) -> Iterator[Change | Progress]:
+    def _steps(self) -> Iterator[Change | ErrorRow | Progress]:
         up_to = Frontier.empty() if self.up_to is None else Frontier.at(self.up_to)
         progress: int | None = None  # None: the snapshot is not emitted yet
         last_renew = last_move = time.monotonic()
@@ -267,7 +284,7 @@ class Subscription:
                     last_renew = now
                 time.sleep(self.poll_s)
                 continue
-            out: list[Change] = []
+            out: list[Change | ErrorRow] = []
             if progress is None:
                 out += self._changes(self.shard.snapshot(self.as_of), self.as_of)
                 start = self.as_of + 1
