@@ -10,14 +10,18 @@ The public Python API::
         for event in sub:                           # shardsink.Change / ErrorRow / Progress
             ...
 
+    shardsink.register_spark_source(spark)         # spark.read.format("shardsink").load("orders")
+    df = shardsink.read_collection(spark, "orders", as_of=41)
+
 Errors are typed and grouped by cause under :class:`ShardsinkError`; the ones a reader meets
 are :class:`ShardNotFoundError`, :class:`ShardDroppedError`, :class:`SinceViolationError`,
 :class:`NotReadableYetError` and :class:`ReaderExpiredError`.
 
 This package is the stable surface: the implementation lives in ``shared`` (the pure core
 and its I/O adapters) and ``services`` (mint, write, append, controller), whose modules may
-move. The read API (``open_collection``, ``Change``, ``Progress``, ``Collection``,
-``Subscription``) is imported on first use, so ``import shardsink`` stays light (the CLI
+move. The read API (``open_collection``, ``Change``, ``ErrorRow``, ``Progress``, ``Collection``,
+``Subscription``) and the Spark reader (``register_spark_source``, ``read_collection``) are
+imported on first use, so ``import shardsink`` stays light (the CLI
 imports this package on every start).
 """
 
@@ -73,9 +77,13 @@ from shared.errors import (
 
 if TYPE_CHECKING:
     from shared.io.client import Change, Collection, ErrorRow, Progress, Subscription, open_collection
+    from shared.io.spark_shardsink import read_collection
+    from shared.io.spark_shardsink import register_shardsink_source as register_spark_source
 
 #: Names served lazily from ``shared.io.client`` (it imports boto3 and pyarrow).
 _CLIENT = ("Change", "Collection", "ErrorRow", "Progress", "Subscription", "open_collection")
+#: Names served lazily from ``shared.io.spark_shardsink`` (it imports pyspark).
+_SPARK = {"read_collection": "read_collection", "register_spark_source": "register_shardsink_source"}
 
 __all__ = [
     "Change",
@@ -84,6 +92,8 @@ __all__ = [
     "Progress",
     "Subscription",
     "open_collection",
+    "read_collection",
+    "register_spark_source",
     "CatalogError",
     "CodecError",
     "CommandError",
@@ -133,6 +143,12 @@ def __getattr__(name: str) -> Any:
         from shared.io import client
 
         value = getattr(client, name)
+        globals()[name] = value
+        return value
+    if name in _SPARK:
+        from shared.io import spark_shardsink
+
+        value = getattr(spark_shardsink, _SPARK[name])
         globals()[name] = value
         return value
     raise AttributeError(f"module 'shardsink' has no attribute {name!r}")

@@ -23,8 +23,22 @@ def test_the_read_api_is_the_clients_own_objects() -> None:
     assert shardsink.Progress is client.Progress
     assert shardsink.Collection is client.Collection
     assert shardsink.Subscription is client.Subscription
+    assert shardsink.ErrorRow is client.ErrorRow
     assert set(client.__all__) <= set(shardsink.__all__)
     assert "open_collection" in dir(shardsink)
+
+
+def test_the_spark_reader_is_exported_lazily() -> None:
+    """``import shardsink`` does not import pyspark (the CLI imports it on every start); the
+    Spark reader's names are the data source module's own functions."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, shardsink; assert 'pyspark' not in sys.modules, 'pyspark imported'"
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
+    from shared.io import spark_shardsink
+
+    assert shardsink.read_collection is spark_shardsink.read_collection
+    assert shardsink.register_spark_source is spark_shardsink.register_shardsink_source
+    assert {"read_collection", "register_spark_source"} <= set(shardsink.__all__)
 
 
 def test_every_public_error_is_the_core_class_and_a_shardsink_error() -> None:
