@@ -207,7 +207,7 @@ def test_cli_end_to_end_create_append_peek_tail_status_drop(
     assert code == 0, err
     _wait(lambda: Shard(cs.service.store(), "cli1").refresh().since.time == 6)  # 9 - 2, down to a multiple of 2
     code, out, err = run(capsys, "collection", "drop", "cli1")
-    assert (code, json.loads(out)) == (0, {"dropped": "cli1"}), err
+    assert (code, json.loads(out)) == (0, {"dropped": "cli1", "sinks_dropped": []}), err
     code, out, err = run(capsys, "peek", "cli1", "--as-of", "8")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("error: UnknownIdError: "), err
@@ -262,10 +262,19 @@ def test_cli_sinks_via_controller_and_catalog(env: ControllerSettings, tmp_path:
     code, out, _ = run(capsys, "collection", "alter", "cli2c", "--read-policy", "valid-from:6", "--via", "catalog")
     assert code == 0 and json.loads(out)["since"] == 4, out
     assert catalog.state().collection("cli2c").read_policy == {"kind": "valid_from", "frontier": 6}
-    assert run(capsys, "collection", "drop", "cli2c", "--via", "catalog")[0] == 0
+    assert run(capsys, "sink", "create", "cli2c-a", "--topic", "t", "--collection", "cli2c", "--via", "catalog")[0] == 0
+    code, out, err = run(capsys, "collection", "drop", "cli2c", "--via", "catalog")
+    assert (code, json.loads(out)) == (0, {"dropped": "cli2c", "sinks_dropped": ["cli2c-a"]}), err
+    assert "sink(s) cli2c-a" in err
     assert catalog.state().collections["cli2c"].dropped and Shard(env.service.store(), "cli2c").refresh().dropped
+    assert catalog.state().sinks["cli2c-a"].dropped
     code, out, err = run(capsys, "collection", "list")
     assert code == 0 and "cli2c" not in out and '"collection": "cli2"' in out
+    # Through the controller, the sinks that went with the collection are named too.
+    assert run(capsys, "sink", "create", "cli2-b", "--topic", "t2", "--collection", "cli2")[0] == 0
+    assert run(capsys, "sink", "create", "cli2-a", "--topic", "t3", "--collection", "cli2", "--read-only")[0] == 0
+    code, out, err = run(capsys, "collection", "drop", "cli2")
+    assert (code, json.loads(out)) == (0, {"dropped": "cli2", "sinks_dropped": ["cli2-a", "cli2-b"]}), err
 
 
 def test_cli_produce_csv_and_jsonl_to_the_desired_topic(env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path,

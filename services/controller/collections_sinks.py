@@ -107,7 +107,10 @@ class CollectionsRoom(CommandLoop):
 
     def handle_DropCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         collection_id = b["collection_id"]
-        self.catalog.state().collection(collection_id)  # a dropped or unknown id is an error
+        state = self.catalog.state()
+        state.collection(collection_id)  # a dropped or unknown id is an error
+        # The sinks that write it go with it; the ack names them.
+        sinks = sorted(k.sink_id for k in state.live_sinks() if k.collection_id == collection_id)
         drop = drop_collection_transition(collection_id)
         due = now_ms() + self.settings.reclaim_grace_ms
 
@@ -115,7 +118,8 @@ class CollectionsRoom(CommandLoop):
             sec.reclaim[collection_id] = due
             return drop(s)
 
-        self._answer(cid, self._ack(cid, collection_id=collection_id), where=where, offset=off, change=t)
+        self._answer(cid, self._ack(cid, collection_id=collection_id, sinks_dropped=sinks), where=where, offset=off,
+                     change=t)
         # Readers are told at once (peeks answered, subscribes closed, upper {} reported) and
         # the storage is reclaimed, by the tick.
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from shardsink.cli.main import print_json
@@ -248,19 +249,25 @@ def _collection_alter(args: argparse.Namespace) -> int:
 
 
 def _collection_drop(args: argparse.Namespace) -> int:
+    """Drops the collection and the sinks that write it, and says which sinks went."""
     if _via_controller(args):
-        _call(args, "DropCollection", {"collection_id": args.collection_id})
+        sinks = _call(args, "DropCollection", {"collection_id": args.collection_id}).get("sinks_dropped", [])
     else:
         from shared.errors import ShardNotFoundError
         from shared.shard import Shard
 
         s = _settings(args)
-        s.catalog().drop_collection(args.collection_id)
+        before = s.catalog().state()
+        before.collection(args.collection_id)  # an unknown or dropped id: its typed error
+        after = s.catalog().drop_collection(args.collection_id)
+        sinks = sorted(k for k, v in after.sinks.items() if v.dropped and k in before.sinks and not before.sinks[k].dropped)
         try:  # since and upper to the empty frontier; gc reclaims the objects later
             Shard(s.store(), args.collection_id).drop()
         except ShardNotFoundError:
             pass
-    print_json({"dropped": args.collection_id})
+    print_json({"dropped": args.collection_id, "sinks_dropped": sinks})
+    if sinks:
+        print(f"dropped with it: sink(s) {', '.join(sinks)} (the write service removes their checkpoints)", file=sys.stderr)
     return 0
 
 
