@@ -42,6 +42,7 @@ import argparse
 import functools
 import logging
 import os
+from pathlib import Path
 import sys
 import threading
 import time
@@ -340,14 +341,23 @@ def configure_logging(service: str) -> None:
     root.propagate = False
 
 
+#: The driver's log4j2 configuration (see the file).
+LOG4J2_CONF = Path(__file__).resolve().parent / "log4j2.properties"
+
+
 def with_service_defaults(builder: Any) -> Any:
     """The settings every shardsink Spark application runs with (the services, the tests'
     session, the benchmarks' baselines); a user's ``PYSPARK_SUBMIT_ARGS`` overrides them."""
     from services.jvm import driver_java_options
 
-    java_options = driver_java_options()
-    if java_options:
-        builder = builder.config("spark.driver.defaultJavaOptions", java_options)
+    # The class-data archive (services/jvm.py) and the services' log configuration (warnings
+    # and errors on stderr, without the default profile's start-up notices).
+    java_options = " ".join(o for o in (driver_java_options(), f"-Dlog4j2.configurationFile=file:{LOG4J2_CONF}") if o)
+    builder = builder.config("spark.driver.defaultJavaOptions", java_options)
+    if builder._options.get("spark.master", "local").startswith("local") and "SPARK_LOCAL_IP" not in os.environ:
+        # In local mode everything is on this machine: bind to loopback, without Spark's
+        # warning that the hostname resolves to it.
+        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     return (
         builder.config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")

@@ -42,7 +42,13 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from shared.codec import RowCodec
 from shared.desired import encode_progress, encode_update, row_partition
-from shared.errors import ContractViolationError, DecodeError, KafkaDeliveryError, KafkaTimeoutError
+from shared.errors import (
+    ContractViolationError,
+    DecodeError,
+    InvalidUsageError,
+    KafkaDeliveryError,
+    KafkaTimeoutError,
+)
 from shared.frontier import Frontier
 from shared.io.kafka import KafkaSettings, translate
 from shared.io.kafka_admin import topic_partition_count
@@ -83,8 +89,9 @@ class DesiredProducer:
                 **{k.replace("_", "."): v for k, v in (producer_config or {}).items()},
             }
         )
+        self._closed = False
         try:
-            self._producer = Producer(conf)
+            self._producer: Any = Producer(conf)
         except (KafkaException, ValueError) as e:
             raise translate(e, "creating the desired producer") from e
 
@@ -170,6 +177,8 @@ class DesiredProducer:
 
     def flush(self) -> None:
         """Wait until every queued record is acknowledged; raise on any failed delivery."""
+        if self._closed:
+            return  # everything was flushed at close
         try:
             left = self._producer.flush(self._flush_timeout_s)
         except KafkaException as e:
@@ -195,8 +204,15 @@ class DesiredProducer:
             self._failures = []
 
     def close(self) -> None:
-        """Flush what is queued (raising on failures)."""
+        """Flush what is queued (raising on failures), then let librdkafka's client go now
+        rather than whenever the garbage collector gets to it: one left behind keeps
+        reconnecting to a broker that may be gone, a line on stderr each time. A closed
+        producer sends nothing more; closing again does nothing."""
+        if self._closed:
+            return
         self.flush()
+        self._closed = True
+        self._producer = _CLOSED
 
     def __enter__(self) -> Self:
         return self
@@ -244,6 +260,16 @@ class DesiredProducer:
             except KafkaException as e:
                 raise translate(e, f"producing to topic {self.topic!r}") from e
         self._producer.poll(0)
+
+
+class _Closed:
+    """What a closed :class:`DesiredProducer` holds instead of its client."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise InvalidUsageError("expected an open desired producer, found one already closed")
+
+
+_CLOSED = _Closed()
 
 
 def topic_progress(
