@@ -64,3 +64,54 @@ def test_other_errors_pass_through_unchanged() -> None:
     calls = []
     interruptible(lambda df, b: calls.append((df, b)))("df", 3)
     assert calls == [("df", 3)]
+
+
+class FakeClosedFileSystemError(Exception):
+    """A JVM call failed by a stop in another way than an interrupt (a closed file system): a
+    long text with a Java stack trace and none of the interruption names."""
+
+    def __str__(self) -> str:
+        frames = "".join(f"\n\tat org.apache.hadoop.fs.FileSystem.create(FileSystem.java:{i})" for i in range(400))
+        return f"An error occurred while calling o77.create.\n: java.io.IOException: Filesystem closed{frames}"
+
+
+def test_any_error_while_the_supervisor_stops_the_query_is_that_stop() -> None:
+    from services import common
+
+    def each(_df: Any, _batch_id: int) -> None:
+        raise FakeClosedFileSystemError()
+
+    # Not stopping: the failure is the query's own, passed through whole.
+    with pytest.raises(FakeClosedFileSystemError):
+        interruptible(each, "mint-s-1")(None, 3)
+    with common._STOPPING_LOCK:
+        common._STOPPING.add("mint-s-1")
+    try:
+        text = spark_sees(interruptible(each, "mint-s-1"))
+        other = spark_sees(interruptible(each, "mint-other-1"))  # another query is not stopping
+    finally:
+        with common._STOPPING_LOCK:
+            common._STOPPING.discard("mint-s-1")
+    m = SPARK_STOP_PATTERN.search(text)
+    assert m is not None and len(text) < 2_000 and "FileSystem.java" not in text, text
+    assert "QueryInterruptedError" in text
+    assert "FileSystem.java" in other and "QueryInterruptedError" not in other
+
+
+def test_the_supervisor_marks_a_query_as_stopping_only_while_it_stops_it() -> None:
+    from services import common
+    from services.common import SinkRunner, Supervisor
+
+    seen: list[bool] = []
+
+    class Query:
+        name = "write-s-2"
+
+        def stop(self) -> None:
+            with common._STOPPING_LOCK:
+                seen.append(self.name in common._STOPPING)
+
+    sup = Supervisor.__new__(Supervisor)
+    sup._stop_runner(SinkRunner(sink=None, query=Query()))  # type: ignore[arg-type]
+    assert seen == [True]
+    assert "write-s-2" not in common._STOPPING

@@ -211,10 +211,11 @@ def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, reg
         appender.process(table)
         states.save(batch_id, appender.state.checkpoint())
 
+    name = f"append-{sink.sink_id}-{sink.epoch}"  # the query's name: its supervisor marks it while stopping it
     return (
-        df.writeStream.foreachBatch(interruptible(each))
+        df.writeStream.foreachBatch(interruptible(each, name))
         .option("checkpointLocation", checkpoint)
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
-        .queryName(f"append-{sink.sink_id}-{sink.epoch}")
+        .queryName(name)
         .start()
     )

@@ -148,10 +148,11 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         minter.process(table)
         states.save(batch_id, minter.state.checkpoint())
 
+    name = f"mint-{sink.sink_id}-{sink.epoch}"  # the query's name: its supervisor marks it while stopping it
     return (
-        df.writeStream.foreachBatch(interruptible(each))
+        df.writeStream.foreachBatch(interruptible(each, name))
         .option("checkpointLocation", checkpoint)
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
-        .queryName(f"mint-{sink.sink_id}-{sink.epoch}")
+        .queryName(name)
         .start()
     )

@@ -717,11 +717,12 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
             routed = batch_df  # partitioned by writer partition already: no shuffle
         writer.handle(routed.mapInArrow(write_batches(job, batch_id), OUTPUT_DDL).toArrow())
 
+    name = f"write-{sink.sink_id}-{sink.epoch}"  # the query's name: its supervisor marks it while stopping it
     return (
-        df.writeStream.foreachBatch(interruptible(each))
+        df.writeStream.foreachBatch(interruptible(each, name))
         .option("checkpointLocation", checkpoint)
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
-        .queryName(f"write-{sink.sink_id}-{sink.epoch}")
+        .queryName(name)
         .start()
     )
 
