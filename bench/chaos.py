@@ -41,6 +41,7 @@ run could not finish, e.g. the sink never converged).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in services.values():
                 s.kill()
             client.close()
+            with contextlib.suppress(Exception):  # its client goes before the broker does
+                producer.close()
         summary.update(
             kills=len(kills),
             kills_by_service=dict(Counter(k["victim"] for k in kills)),
