@@ -143,6 +143,9 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     log.info("settings: kafka %s, %r, checkpoints %s", settings.kafka.bootstrap, settings.s3, settings.checkpoint_dir)
     spark = spark_session(settings, f"shardsink-{'-'.join(names)}")
+    from services.warmup import warm_up
+
+    warm_up(spark)  # the queries' Python workers start while the services set up
     services = Services(settings, spark, tuple(names)).start()
     from services.metrics import start_metrics
 
