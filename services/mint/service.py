@@ -37,6 +37,7 @@ import pyarrow as pa
 from services.common import ServiceSettings, checkpoint_path, interruptible
 from services.driver_state import DriverStateLog
 from services.sinkio import (
+    KIND_CONTROL,
     KIND_PROGRESS,
     ControlProducer,
     collect_decoded,
@@ -51,6 +52,9 @@ from shared.sink_state import MintState
 
 log = logging.getLogger("shardsink.mint")
 
+#: The longest mint goes without reading the shard's state (see :meth:`SinkMinter.process`).
+SHARD_REFRESH_S = 1.0
+
 
 @dataclass
 class SinkMinter:
@@ -61,6 +65,9 @@ class SinkMinter:
     producer: ControlProducer
     minted: int = 0
     micro_batches: int = 0
+    shard_refreshes: int = 0
+    #: When the shard's state was last read (monotonic seconds; None: never).
+    refreshed_at: float | None = None
 
     @staticmethod
     def create(sink: SinkDef, settings: ServiceSettings, partitions: int) -> SinkMinter:
@@ -88,7 +95,18 @@ class SinkMinter:
             sink = self.settings.catalog().state(fresh=False).sinks.get(self.sink.sink_id)
             if sink is not None and not sink.read_only:
                 self.state.allow_writes()
-        self.state.absorb_shard_upper(self.shard.refresh().upper)
+        # The shard's upper moves when a batch is appended, and every appender announces that
+        # on the frontiers topic, which this query reads: the shard's state (a few S3
+        # requests, the driver's largest cost per mint micro-batch) is read when such an
+        # announcement arrived, and at least every SHARD_REFRESH_S in case one was lost. A
+        # stale upper can only make a description that no append accepts (its lower is
+        # below the upper), never a wrong append.
+        news = any(k == KIND_CONTROL and t == self.settings.frontiers_topic for k, t in zip(kinds, topics, strict=True))
+        now = time.monotonic()
+        if news or self.refreshed_at is None or now - self.refreshed_at >= SHARD_REFRESH_S:
+            self.state.absorb_shard_upper(self.shard.refresh().upper)
+            self.refreshed_at = now
+            self.shard_refreshes += 1
         desc = self.state.maybe_mint(int(time.time() * 1000))
         if desc is not None:
             self.producer.send(

@@ -718,17 +718,14 @@ def read_range(
                             topic=topic, partition=partition, start=start, end=end,
                         )
                     raise translate(KafkaException(err), f"reading {topic}/{partition}")
-                off = int(m.offset() or 0)
+                off = m.offset()
                 if off >= end:
                     done = True
                     break
                 next_off = off + 1
                 val = m.value()
                 if skip_prefix is not None and val is not None and val.startswith(skip_prefix):
-                    if off == end - 1:
-                        done = True
-                        break
-                    continue
+                    continue  # (the end of the range is checked after the loop)
                 keys.append(m.key())
                 vals.append(val)
                 offs.append(off)
@@ -741,6 +738,8 @@ def read_range(
                 if off == end - 1:
                     done = True
                     break
+            if next_off >= end:  # the range's last record was read (skipped or kept)
+                done = True
             if len(offs) >= batch_size or (done and offs):
                 yield build(keys, vals, offs, tss, hdrs, any_headers)
                 keys, vals, offs, tss, hdrs = [], [], [], [], []
