@@ -354,7 +354,8 @@ def with_service_defaults(builder: Any) -> Any:
     # and errors on stderr, without the default profile's start-up notices).
     java_options = " ".join(o for o in (driver_java_options(), f"-Dlog4j2.configurationFile=file:{LOG4J2_CONF}") if o)
     builder = builder.config("spark.driver.defaultJavaOptions", java_options)
-    if builder._options.get("spark.master", "local").startswith("local") and "SPARK_LOCAL_IP" not in os.environ:
+    master = str(getattr(builder, "_options", {}).get("spark.master", "local"))
+    if master.startswith("local") and "SPARK_LOCAL_IP" not in os.environ:
         # In local mode everything is on this machine: bind to loopback, without Spark's
         # warning that the hostname resolves to it.
         os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
