@@ -46,7 +46,7 @@ the load average of each phase is reported (``load``).
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import io
 import json
 import os
@@ -436,6 +436,7 @@ def main() -> int:
         create_collection(settings, collection, SCHEMA)
         producer = DesiredProducer(settings.kafka, topic, SCHEMA, linger_ms=20)
         wl = Workload(producer)
+        rwl: Workload | None = None  # the recovery phase's workload
         shard = Shard.open(settings.store(), collection)
         try:
             # -- 1. baseline: plain Spark, Kafka -> Parquet on S3 --------------------------------
@@ -598,11 +599,11 @@ def main() -> int:
         finally:
             for p in procs:
                 p.kill()
-            # The workload's librdkafka producers go before the broker does: one left to the
-            # garbage collector keeps reconnecting to a stopped broker, a line on stderr each time.
-            producer = wl = None  # type: ignore[assignment]
-            rwl = None  # type: ignore[assignment]
-            gc.collect()
+            # The workload's producers let their librdkafka clients go before the broker does.
+            for wp in (producer, rwl.producer if rwl is not None else None):
+                if wp is not None:
+                    with contextlib.suppress(Exception):
+                        wp.close()
 
     # -- 5. correction buffer memory during hydration (no I/O) --------------------------------
     from bench_correction import measure_hydration_ratio

@@ -354,11 +354,6 @@ def with_service_defaults(builder: Any) -> Any:
     # and errors on stderr, without the default profile's start-up notices).
     java_options = " ".join(o for o in (driver_java_options(), f"-Dlog4j2.configurationFile=file:{LOG4J2_CONF}") if o)
     builder = builder.config("spark.driver.defaultJavaOptions", java_options)
-    master = str(getattr(builder, "_options", {}).get("spark.master", "local"))
-    if master.startswith("local") and "SPARK_LOCAL_IP" not in os.environ:
-        # In local mode everything is on this machine: bind to loopback, without Spark's
-        # warning that the hostname resolves to it.
-        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     return (
         builder.config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -390,6 +385,10 @@ def spark_session(settings: ServiceSettings, app_name: str) -> Any:
         # Started with plain python: we pick the master. Under spark-submit the JVM started
         # us (it sets PYSPARK_GATEWAY_PORT) and spark-submit's --master applies.
         builder = builder.master(settings.spark_master)
+        if settings.spark_master.startswith("local"):
+            # In local mode everything is on this machine: bind to loopback, without Spark's
+            # warning that the hostname resolves to it.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     spark = with_service_defaults(builder).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     from shared.io.spark_kafka import register_kafka_source

@@ -57,7 +57,7 @@ class _WarmupReader(DataSourceReader):
         yield (int(partition.value),)
 
 
-def _prepare_task(*_: Any) -> Iterator[int]:
+def _prepare_task() -> None:
     """What a write task needs before its first step, done in a warm-up task's worker."""
     import importlib
 
@@ -67,7 +67,6 @@ def _prepare_task(*_: Any) -> Iterator[int]:
 
     # The S3 client's service model (a JSON load botocore caches per process).
     botocore.session.get_session().get_service_model("s3")
-    return iter(())
 
 
 class WarmupDataSource(DataSource):

@@ -163,8 +163,12 @@ class CatalogState:
     #: Free-form, versioned sections owned by the controller (command log, holds...).
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def live_sinks(self) -> list[SinkDef]:
-        return sorted((s for s in self.sinks.values() if not s.dropped), key=lambda s: s.sink_id)
+    def live_sinks(self, collection_id: str | None = None) -> list[SinkDef]:
+        """Live sinks by id; with ``collection_id``, those that write that collection."""
+        return sorted(
+            (s for s in self.sinks.values() if not s.dropped and collection_id in (None, s.collection_id)),
+            key=lambda s: s.sink_id,
+        )
 
     def live_collections(self) -> list[CollectionDef]:
         return sorted((c for c in self.collections.values() if not c.dropped), key=lambda c: c.collection_id)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from shared.errors import InvalidUsageError
+from shared.errors import InvalidUsageError, SinceViolationError
 from shared.frontier import MAX_TIME, Frontier, check_time
 
 
@@ -132,8 +132,23 @@ def policy_from_avro(value: Any) -> ReadPolicy:
     raise InvalidUsageError(f"expected a read policy ValidFrom, LagWritesBy or Multiple, found {kind!r}")
 
 
+def check_reaches_since(policy: ReadPolicy, collection_id: str, since: Frontier, upper: Frontier) -> None:
+    """Refuse a policy whose implied since is below the collection's ``since``: compacted
+    history does not come back, so such a policy would be acknowledged without taking effect.
+    Raises :class:`SinceViolationError` (the controller answers it as ``ReadBeforeSince``)."""
+    implied = policy.implied(upper)
+    if not since.less_equal(implied):
+        raise SinceViolationError(
+            f"expected a read policy whose since is at or above collection {collection_id!r}'s since "
+            f"{since!r}, found one that implies {implied!r}: history below the since was compacted "
+            "away; the policy was not changed",
+            collection_id=collection_id, since=since, implied=implied,
+        )
+
+
 __all__ = [
     "MAX_TIME",
+    "check_reaches_since",
     "LagWritesBy",
     "Multiple",
     "ReadPolicy",

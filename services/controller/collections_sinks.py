@@ -38,7 +38,7 @@ from shared.controller_state import CommandRejected, ControllerSection
 from shared.errors import DecodeError
 from shared.frontier import Frontier
 from shared.objectstore import now_ms
-from shared.read_policy import ValidFrom, policy_from_avro
+from shared.read_policy import ValidFrom, check_reaches_since, policy_from_avro
 from shared.shard import validate_shard_id
 
 
@@ -88,18 +88,9 @@ class CollectionsRoom(CommandLoop):
         policy = policy_from_avro(b["policy"])
         alter = alter_collection_transition(b["collection_id"], policy.to_json())
         alter(self.catalog.state())
-        # A policy that reaches below the since cannot bring compacted history back: refused,
-        # rather than acknowledged as if it took effect. The answer says what the since is.
+        # A policy that reaches below the since is refused; the answer says what the since is.
         state = self.collections[b["collection_id"]].shard.refresh()
-        implied = policy.implied(state.upper)
-        if not state.since.less_equal(implied):
-            raise CommandRejected(
-                "ReadBeforeSince",
-                f"expected a read policy whose since is at or above collection "
-                f"{b['collection_id']!r}'s since {state.since!r}, found one that implies "
-                f"{implied!r}: history below the since was compacted away; the policy was not changed",
-                collection_id=b["collection_id"], since=state.since.to_json(), implied=implied.to_json(),
-            )
+        check_reaches_since(policy, b["collection_id"], state.since, state.upper)
         self._answer(
             cid, self._ack(cid, collection_id=b["collection_id"], policy=policy.to_json(), since=state.since.to_json()),
             where=where, offset=off, change=lambda s, sec: alter(s),
@@ -110,7 +101,7 @@ class CollectionsRoom(CommandLoop):
         state = self.catalog.state()
         state.collection(collection_id)  # a dropped or unknown id is an error
         # The sinks that write it go with it; the ack names them.
-        sinks = sorted(k.sink_id for k in state.live_sinks() if k.collection_id == collection_id)
+        sinks = [k.sink_id for k in state.live_sinks(collection_id)]
         drop = drop_collection_transition(collection_id)
         due = now_ms() + self.settings.reclaim_grace_ms
 

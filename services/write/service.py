@@ -592,11 +592,9 @@ class SinkWriter:
     def _note_error_rows(self, report: Any) -> None:
         """A log line and the ``error_rows_staged`` metric when a staged batch holds error rows
         (updates that could not be written as rows; the parts count them)."""
-        try:
-            handle = json.loads(report.staged) if isinstance(report.staged, str) else report.staged
-            errors = sum(int(p.get("errors", 0)) for p in handle.get("parts", ()))
-        except (ValueError, TypeError, AttributeError):
-            return
+        from shared.shard import StagedBatch
+
+        errors = sum(p.errors for p in StagedBatch.from_json(json.loads(report.staged)).parts)
         if errors:
             self.metrics.error_rows_staged += errors
             log.warning(

@@ -230,19 +230,13 @@ def _collection_alter(args: argparse.Namespace) -> int:
         _call(args, "SetReadPolicy", {"collection_id": args.collection_id, "policy": policy_to_avro(policy)})
         print_json({"altered": args.collection_id, "read_policy": policy.to_json()})
         return 0
-    from shared.errors import SinceViolationError
+    from shared.read_policy import check_reaches_since
     from shared.shard import Shard
 
     s = _settings(args)
     s.catalog().state().collection(args.collection_id)  # an unknown or dropped id: its typed error first
     state = Shard.open(s.store(), args.collection_id).refresh()
-    implied = policy.implied(state.upper)
-    if not state.since.less_equal(implied):  # the controller's SetReadPolicy refuses the same
-        raise SinceViolationError(
-            f"expected a read policy whose since is at or above collection {args.collection_id!r}'s since "
-            f"{state.since!r}, found one that implies {implied!r}: history below the since was compacted "
-            "away; the policy was not changed"
-        )
+    check_reaches_since(policy, args.collection_id, state.since, state.upper)  # as the controller does
     s.catalog().alter_collection(args.collection_id, policy.to_json())
     print_json({"altered": args.collection_id, "read_policy": policy.to_json(), "since": state.since.to_json()})
     return 0
@@ -257,10 +251,10 @@ def _collection_drop(args: argparse.Namespace) -> int:
         from shared.shard import Shard
 
         s = _settings(args)
-        before = s.catalog().state()
-        before.collection(args.collection_id)  # an unknown or dropped id: its typed error
-        after = s.catalog().drop_collection(args.collection_id)
-        sinks = sorted(k for k, v in after.sinks.items() if v.dropped and k in before.sinks and not before.sinks[k].dropped)
+        state = s.catalog().state()
+        state.collection(args.collection_id)  # an unknown or dropped id: its typed error
+        sinks = [k.sink_id for k in state.live_sinks(args.collection_id)]  # they go with it
+        s.catalog().drop_collection(args.collection_id)
         try:  # since and upper to the empty frontier; gc reclaims the objects later
             Shard(s.store(), args.collection_id).drop()
         except ShardNotFoundError:

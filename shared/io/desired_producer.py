@@ -195,6 +195,8 @@ class DesiredProducer:
     def abort(self) -> None:
         """Drop every record still queued or in flight and forget delivery failures (use after
         a failure, before discarding the producer; nothing more is promised)."""
+        if self._closed:
+            return  # nothing is queued
         try:
             self._producer.purge()
             self._producer.flush(0)
@@ -212,7 +214,7 @@ class DesiredProducer:
             return
         self.flush()
         self._closed = True
-        self._producer = _CLOSED
+        self._producer = None
 
     def __enter__(self) -> Self:
         return self
@@ -249,6 +251,8 @@ class DesiredProducer:
             )
 
     def _produce(self, value: bytes, partition: int) -> None:
+        if self._closed:
+            raise InvalidUsageError("expected an open desired producer, found one already closed")
         while True:
             try:
                 self._producer.produce(
@@ -260,16 +264,6 @@ class DesiredProducer:
             except KafkaException as e:
                 raise translate(e, f"producing to topic {self.topic!r}") from e
         self._producer.poll(0)
-
-
-class _Closed:
-    """What a closed :class:`DesiredProducer` holds instead of its client."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise InvalidUsageError("expected an open desired producer, found one already closed")
-
-
-_CLOSED = _Closed()
 
 
 def topic_progress(

@@ -718,7 +718,7 @@ def read_range(
                             topic=topic, partition=partition, start=start, end=end,
                         )
                     raise translate(KafkaException(err), f"reading {topic}/{partition}")
-                off = m.offset()
+                off = int(m.offset() or 0)
                 if off >= end:
                     done = True
                     break
