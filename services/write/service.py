@@ -23,14 +23,18 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
 - bad input (undecodable messages, rows that do not match the schema, updates below their
   partition's progress) becomes error rows at their time, in the shard's error collection.
 
-Where the work runs. Executors, one task per writer partition with input, in one stage: the
-source's ``read()`` reads the partition's desired range and the micro-batch's control range
-and decodes them (:mod:`services.write.source`); a ``mapInArrow`` over the same task's rows
-(no shuffle) absorbs the desired updates, reads the shard back, consolidates, decides and
-stages Parquet objects to S3 (:func:`write_step`). A partition's own staged objects come back from its state when they are
-appended (no read, no re-encode); only objects written by others (a racing replica, the controller's ``Append``, compaction) are
-read and routed row by row. The driver sees only the reports (one small row per partition per
-description) and produces them.
+Where the work runs. Executors, one task per writer partition with input, in one stage and
+one Python worker: the write source's ``read()`` (:mod:`services.write.source`) reads the
+partition's desired range and the micro-batch's control range, decodes them, and runs the
+write step on them (:func:`write_step`): absorbs the desired updates, reads the shard back,
+consolidates, decides and stages Parquet objects to S3. Only the step's output (a report and
+statistics per partition) enters the JVM: the updates never do, so no Arrow-to-rows-to-Arrow
+conversion is paid per update. A partition's own staged objects come back from its state
+when they are appended (no read, no re-encode); only objects written by others (a racing
+replica, the controller's ``Append``, compaction) are read and routed. The driver sees only
+the reports (one small row per partition per description) and produces them. (With the
+builtin Kafka connector, a ``mapInArrow`` decodes and another runs the step after a shuffle
+by writer partition.)
 
 Recovery: a restarted query resumes from its checkpoint (``<checkpoint root>/write/<sink>-e<epoch>``,
 durable across restarts): state and offsets together, so nothing is re-read from the topic's
@@ -81,8 +85,10 @@ Micro-batch order inside a writer partition's task (all on the executor):
 4. absorb descriptions; decide; stage data objects (S3); write this batch's state version;
    emit reports.
 
-Then on the driver (``foreachBatch`` over the reports): produce the reports and flush them;
-only then does Spark commit the micro-batch (offsets), which makes the state versions live.
+Then on the driver (``foreachBatch``): set the micro-batch id as the job's local property
+(:data:`services.write.source.BATCH_PROPERTY`), run the batch's job, produce the reports it
+returns and flush them; only then does Spark commit the micro-batch (offsets), which makes
+the state versions live.
 A batch that fails before its commit is re-run with the same id and offsets from the versions
 before it; what its failed attempt staged is collected after the grace period.
 """
@@ -572,6 +578,16 @@ def write_batches(job: WriteJob, batch_id: int) -> Any:
     return fn
 
 
+def run_write_step(job: WriteJob, wp: int, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The write step inside the write source's ``read()`` (:mod:`services.write.source`):
+    writer partition ``wp``'s decoded input in, its output rows out."""
+    out = write_batches(job, batch_id)(batches)
+    for b in out:
+        if b.num_rows and not all(w == wp for w in b.column(0).to_pylist()):
+            raise SinkProtocolError(f"expected the input of writer partition {wp} only, found others")
+        yield b
+
+
 # -- driver side --------------------------------------------------------------------------------
 
 
@@ -685,7 +701,7 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
         registry[sink.sink_id] = writer
     checkpoint = checkpoint_path(settings, "write", sink)
     job = WriteJob(sink, settings, partitions, schema_json, settings.descs_topic, checkpoint)
-    from services.write.source import desired_source
+    from services.write.source import BATCH_PROPERTY, desired_source
     from shared.io.spark_kafka import _connector
 
     quarantined = load_quarantine(settings, sink)
@@ -699,9 +715,14 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
         max_records_per_trigger=settings.max_records_per_trigger,
         history_gap_topics=[sink.desired_topic],
         simulated_low_watermarks_file=settings.simulated_low_watermarks_file,
-        # ours: one input partition per writer partition, decoded inside the source's read()
-        source=None if builtin else desired_source(sink.desired_topic, schema_json, partitions, quarantined),
+        # ours: one input partition per writer partition, decoded and written inside the
+        # source's read() (the updates never cross into the JVM)
+        source=None if builtin else desired_source(
+            sink.desired_topic, schema_json, partitions, quarantined, step=job,
+            name=f"shardsink-write-{sink.sink_id}-{sink.epoch}",
+        ),
     )
+    sc = spark.sparkContext
 
     def each(batch_df: Any, batch_id: int) -> None:
         if builtin:
@@ -711,9 +732,15 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
                 decode_partition(sink.desired_topic, schema_json, route_to=partitions, quarantine=quarantined),
                 ROUTED_DDL,
             ).repartition(max(1, partitions), F.col("wp"))
-        else:
-            routed = batch_df  # partitioned by writer partition already: no shuffle
-        writer.handle(routed.mapInArrow(write_batches(job, batch_id), OUTPUT_DDL).toArrow())
+            writer.handle(routed.mapInArrow(write_batches(job, batch_id), OUTPUT_DDL).toArrow())
+            return
+        # The source's tasks run the write step of this batch: they read its id from the job's
+        # local properties (set on this thread, which submits the job).
+        sc.setLocalProperty(BATCH_PROPERTY, str(batch_id))
+        try:
+            writer.handle(batch_df.toArrow())
+        finally:
+            sc.setLocalProperty(BATCH_PROPERTY, None)
 
     name = f"write-{sink.sink_id}-{sink.epoch}"  # the query's name: its supervisor marks it while stopping it
     return (

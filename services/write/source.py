@@ -10,9 +10,19 @@ every description. A partition with neither is not read (its state stays as it w
 write step then runs over each input partition as it is (``mapInArrow`` in the same stage: no
 shuffle), see :mod:`services.write.service`.
 
-Each record crosses from Python to the JVM once, already decoded and checked. Same options as
-``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row schema, writer
-partitions, quarantined ranges); columns :data:`services.sinkio.ROUTED_DDL`.
+Two forms. With a write job (:func:`desired_source`'s ``step``: the write service's own
+source), ``read()`` also runs the write step on the decoded input in the same Python worker
+(:func:`services.write.service.run_write_step`) and yields only the step's output, a few rows
+per writer partition (:data:`services.write.service.OUTPUT_DDL`): the desired updates never
+cross into the JVM, where turning Arrow batches into rows and back into Arrow for a
+``mapInArrow`` was most of the JVM's work per update. The micro-batch id comes from the
+task's local property :data:`BATCH_PROPERTY`, which the write query's ``foreachBatch`` sets
+before it runs the batch's job. Without one (the builtin connector's path keeps its own
+``mapInArrow``), each record crosses from Python to the JVM once, already decoded and
+checked, as columns :data:`services.sinkio.ROUTED_DDL`.
+
+Same options as ``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row
+schema, writer partitions, quarantined ranges).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 from pyspark.sql.datasource import InputPartition
@@ -35,6 +45,8 @@ from shared.io.spark_kafka import (
 
 DESIRED_SOURCE = "shardsink-desired"
 DECODE_OPTION = "shardsinkDecode"
+#: The local property that carries the micro-batch id to the write step's tasks.
+BATCH_PROPERTY = "shardsink.write.batchId"
 
 
 class WriterPartition(InputPartition):
@@ -60,12 +72,14 @@ def writer_partitions(
 
 
 class DesiredStreamReader(KafkaStreamReader):
-    def __init__(self, options: SourceOptions, decode: dict[str, Any]) -> None:
+    def __init__(self, options: SourceOptions, decode: dict[str, Any], step: Any = None) -> None:
         super().__init__(options)
         self.decode = decode
+        #: The write job (:class:`services.write.service.WriteJob`) whose step ``read()`` runs.
+        self.step = step
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "decode": self.decode}
+        return {**super().__getstate__(), "decode": self.decode, "step": self.step}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         d = self.decode
@@ -96,28 +110,73 @@ class DesiredStreamReader(KafkaStreamReader):
         )
         ranges = ([partition.desired] if partition.desired is not None else []) + list(partition.control)
         raw = itertools.chain.from_iterable(self._read_one(r) for r in ranges)
-        return fn(raw)
+        decoded: Iterator[pa.RecordBatch] = fn(raw)
+        if self.step is None:
+            return decoded
+        from services.write.service import run_write_step
+
+        return run_write_step(self.step, partition.wp, _batch_id(), decoded)
+
+
+def _batch_id() -> int:
+    """The micro-batch id the write query's ``foreachBatch`` set for this job's tasks."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    raw = ctx.getLocalProperty(BATCH_PROPERTY) if ctx is not None else None
+    if raw is None:
+        from shared.errors import SinkProtocolError
+
+        raise SinkProtocolError(
+            f"expected the task's local property {BATCH_PROPERTY!r} (set by the write query's "
+            "foreachBatch), found none: the write source runs only inside the write query"
+        )
+    return int(raw)
 
 
 class DesiredDataSource(KafkaDataSource):
-    """``shardsink-desired``: a streaming reader only."""
+    """``shardsink-desired``: a streaming reader only. A subclass made by
+    :func:`desired_source` carries a write job (``step``) and a name of its own."""
+
+    #: The write job whose step ``read()`` runs (None: ``read()`` yields the decoded input).
+    step: ClassVar[Any] = None
 
     @classmethod
     def name(cls) -> str:
         return DESIRED_SOURCE
 
     def schema(self) -> str:  # type: ignore[override]
+        if self.step is not None:
+            from services.write.service import OUTPUT_DDL
+
+            return OUTPUT_DDL
         return ROUTED_DDL
 
     def streamReader(self, schema: Any) -> DesiredStreamReader:
         low = {k.lower(): v for k, v in self.options.items()}
-        return DesiredStreamReader(SourceOptions.parse(self.options), json.loads(low[DECODE_OPTION.lower()]))
+        return DesiredStreamReader(SourceOptions.parse(self.options), json.loads(low[DECODE_OPTION.lower()]), self.step)
 
 
 def desired_source(
-    desired_topic: str, row_schema_json: str, route_to: int, quarantine: list[tuple[int, int, int, str]] | None = None
+    desired_topic: str, row_schema_json: str, route_to: int, quarantine: list[tuple[int, int, int, str]] | None = None,
+    step: Any = None, name: str | None = None,
 ) -> tuple[str, type[DesiredDataSource], dict[str, str]]:
-    """The ``source`` argument of :func:`shared.io.spark_kafka.kafka_read_stream`."""
+    """The ``source`` argument of :func:`shared.io.spark_kafka.kafka_read_stream`.
+
+    ``step`` (a :class:`services.write.service.WriteJob`) makes ``read()`` run the write step
+    (see the module docstring); the data source is then a class of its own, registered under
+    ``name`` (one per write query: the session's registry is shared by every sink's query),
+    which carries the job to the planning process and the executors inside its pickle, not in
+    the options that plans and the UI show."""
     decode = {"desired_topic": desired_topic, "row_schema": row_schema_json, "route_to": route_to,
               "quarantine": [list(q) for q in (quarantine or [])]}
-    return DESIRED_SOURCE, DesiredDataSource, {DECODE_OPTION: json.dumps(decode)}
+    options = {DECODE_OPTION: json.dumps(decode)}
+    if step is None:
+        return DESIRED_SOURCE, DesiredDataSource, options
+    source_name = name or f"{DESIRED_SOURCE}-write"
+    cls = type("DesiredWriteSource", (DesiredDataSource,), {
+        "step": step,
+        "name": classmethod(lambda _cls: source_name),
+        "__doc__": f"``{source_name}``: the write query's source (decode and write step in read()).",
+    })
+    return source_name, cls, options
