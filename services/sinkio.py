@@ -442,7 +442,8 @@ def collect_decoded(
 
 
 def read_planned_batch(
-    files: Any, batch_id: int, kafka: Any, skip_prefixes: Mapping[str, bytes] | None = None
+    files: Any, batch_id: int, kafka: Any, skip_prefixes: Mapping[str, bytes] | None = None,
+    latest_progress_of: str | None = None,
 ) -> pa.Table | None:
     """The records of micro-batch ``batch_id`` of a query reading ``shardsink-kafka``, read on
     the driver straight from Kafka by the offsets Spark logged for the batch and the one before
@@ -451,9 +452,10 @@ def read_planned_batch(
     worker round trip) costs 100-400 ms for a handful of records, a pooled consumer's read a few
     milliseconds. The source reads exactly these ranges too, so the records are the same.
     Columns ``topic, partition, offset, value``; ``skip_prefixes`` as the source's
-    ``skipValuePrefixes``. None when the log does not hold both offsets (the first batch of a
-    checkpoint starts at the source's initial offsets, which Spark does not log): read the
-    batch's DataFrame then."""
+    ``skipValuePrefixes``. ``latest_progress_of``: a desired topic whose ranges are read only
+    back to their latest progress statement (:func:`read_latest_progress`, for mint). None
+    when the log does not hold both offsets (the first batch of a checkpoint starts at the
+    source's initial offsets, which Spark does not log): read the batch's DataFrame then."""
     from services.driver_state import planned_offsets
     from shared.io.spark_kafka import offsets_from_json, pending, read_range
 
@@ -462,15 +464,63 @@ def read_planned_batch(
     if end is None or start is None:
         return None
     skip = skip_prefixes or {}
-    batches = [
-        b.select(["topic", "partition", "offset", "value"])
-        for t, p, lo, hi in pending(offsets_from_json(start), offsets_from_json(end))
-        for b in read_range(kafka, t, p, lo, hi, skip_prefix=skip.get(t))
-    ]
-    if not batches:
-        return pa.table({"topic": pa.array([], pa.string()), "partition": pa.array([], pa.int32()),
-                         "offset": pa.array([], pa.int64()), "value": pa.array([], pa.binary())})
-    return pa.Table.from_batches(batches)
+    tables: list[pa.Table] = []
+    for t, p, lo, hi in pending(offsets_from_json(start), offsets_from_json(end)):
+        if t == latest_progress_of:
+            tables.append(read_latest_progress(kafka, t, p, lo, hi, skip.get(t)))
+            continue
+        got = [b.select(["topic", "partition", "offset", "value"])
+               for b in read_range(kafka, t, p, lo, hi, skip_prefix=skip.get(t))]
+        if got:
+            tables.append(pa.Table.from_batches(got))
+    tables = [x for x in tables if x.num_rows]
+    if not tables:
+        return _empty_raw()
+    return pa.concat_tables(tables)
+
+
+#: The first window :func:`read_latest_progress` reads back from a range's end.
+LATEST_PROGRESS_WINDOW = 512
+
+
+def read_latest_progress(
+    kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
+) -> pa.Table:
+    """The records of ``topic``/``partition`` in ``[start, end)`` that mint needs: its
+    latest progress statement, read from the end of the range backwards in growing windows
+    (:data:`LATEST_PROGRESS_WINDOW`, then 4x each time) until a window holds one, rather than
+    every record of the range: a partition's progress only moves forward
+    (:class:`shared.desired.DesiredFrontierTracker` ignores a regression), so the last
+    statement of the range is the one that counts, and the updates before it are the write
+    service's (mint reads a few windows per partition per micro-batch, not the topic's
+    updates). The windows' progress statements and other non-update records come back
+    (columns as :func:`read_planned_batch`'s), in offset order; a range without any progress
+    is read whole. A producer that breaks the contract with a statement below an earlier one
+    in the same range can only make mint's frontier lag until the next statement: minting
+    less is always safe."""
+    from shared.io.spark_kafka import read_range
+
+    windows: list[pa.Table] = []
+    hi, size = end, LATEST_PROGRESS_WINDOW
+    while hi > start:
+        lo = max(start, hi - size)
+        got = [b.select(["topic", "partition", "offset", "value"])
+               for b in read_range(kafka, topic, partition, lo, hi, skip_prefix=skip_prefix)]
+        if got:
+            window = pa.Table.from_batches(got)
+            windows.append(window)
+            decoded = decode_on_driver(window, topic, progress_only=True)
+            if decoded.num_rows and KIND_PROGRESS in decoded["kind"].to_pylist():
+                break
+        hi, size = lo, size * 4
+    if not windows:
+        return _empty_raw()
+    return pa.concat_tables(list(reversed(windows)))
+
+
+def _empty_raw() -> pa.Table:
+    return pa.table({"topic": pa.array([], pa.string()), "partition": pa.array([], pa.int32()),
+                     "offset": pa.array([], pa.int64()), "value": pa.array([], pa.binary())})
 
 
 def decode_on_driver(

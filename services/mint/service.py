@@ -17,9 +17,12 @@ Contract (the seeds' mint operator):
   (:mod:`services.driver_state`), so a restarted minter reads only what came after them,
   never the desired topic's history. Its first description (a new epoch) supersedes any in
   flight.
-- cost: desired updates are dropped inside the source's ``read()`` by their framing prefix;
-  the few records left (progress statements, upper advances) come to the driver as they are
-  and are decoded there, so a micro-batch is one Spark job of one task.
+- cost: no Spark job per micro-batch: the driver reads the micro-batch's records by the
+  offsets Spark logged. Of each desired partition's range it reads only the tail back to the
+  latest progress statement (:func:`services.sinkio.read_latest_progress`: a partition's
+  progress only moves forward, so the last statement is the one that counts), dropping
+  updates by their framing prefix; the few records left (progress statements, upper
+  advances) are decoded there. The desired updates are the write service's to read.
 
 One active minter per sink: run one mint service (or one all-in-one application).
 """
@@ -158,7 +161,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     skip = {desired_topic: update_prefix}
 
     def each(batch_df: Any, batch_id: int) -> None:
-        raw = read_planned_batch(states.files, batch_id, settings.kafka, skip) if ours else None
+        raw = read_planned_batch(states.files, batch_id, settings.kafka, skip, latest_progress_of=desired_topic) if ours else None
         if raw is not None:
             table = decode_on_driver(raw, desired_topic, progress_only=True)
         else:
