@@ -128,6 +128,15 @@ _PROGRESS_BODY = {"type": "record", "name": "Progress", "fields": [
     {"name": "partition", "type": "int"}, {"name": "frontier", "type": ["null", "long"]}]}
 
 
+@functools.cache
+def _body_codecs() -> tuple[Any, Any]:
+    """The column codecs of the desired message's update and progress bodies (built once per
+    process: mint builds a decoder for every window it reads)."""
+    from shared.avro_columns import ColumnCodec
+
+    return ColumnCodec(_UPDATE_BODY), ColumnCodec(_PROGRESS_BODY)
+
+
 class DesiredDecoder:
     """Decodes record batches of the Kafka source into :data:`DECODED_SCHEMA` (or
     :data:`ROUTED_SCHEMA`) rows; see :func:`decode_partition`."""
@@ -158,8 +167,7 @@ class DesiredDecoder:
         fp = message_codec("desired").fingerprint
         self.update_prefix = MARKER + fp + b"\x00"
         self.progress_prefix = MARKER + fp + b"\x02"
-        self.updates = ColumnCodec(_UPDATE_BODY)
-        self.progress = ColumnCodec(_PROGRESS_BODY)
+        self.updates, self.progress = _body_codecs()
         self.out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
 
     def decode(self, rb: pa.RecordBatch) -> pa.RecordBatch:
