@@ -26,7 +26,9 @@ Accepted:
 - a field, record, enum or fixed renamed with an ``aliases`` entry naming the old name.
 
 Refused (the rule names): ``field-added-without-default``, ``field-removed-without-default``,
-``default-does-not-fit`` (a default the field's type cannot hold), ``type-changed`` (any other
+``default-does-not-fit`` (a default the field's type cannot hold as fastavro's resolution fills
+it in: also a non-null ``bytes`` or ``fixed`` default, which fastavro fills in as the JSON text;
+add such a field as nullable with default ``null``), ``type-changed`` (any other
 change of type, ``bytes`` to ``string`` included: bytes need not be UTF-8, so an earlier row
 might not read), ``logical-type-changed`` (a logical type, or a decimal's precision or scale,
 added, removed or changed), ``null-no-longer-allowed`` (a nullable field made required),
@@ -532,7 +534,7 @@ def _promote(arr: pa.Array, target: pa.DataType, where: str) -> pa.Array:
         raise _mismatch(where, arr.type, target)
     if arr.type == pa.int64() and target == pa.float32():
         # As fastavro does it: the long becomes a Python float (a double), written as a float.
-        arr = pc.cast(arr, pa.float64())
+        arr = pc.cast(arr, pa.float64(), safe=False)
     return pc.cast(arr, target, safe=False)
 
 
