@@ -337,7 +337,10 @@ class Correction:
         n = len(contents)
         if n == 0:
             return 0
-        keys = _as_binary(convert(contents.keys))
+        converted = convert(contents.keys)
+        if converted is contents.keys:
+            return 0  # nothing changed
+        keys = _as_binary(converted)
         if len(keys) != n:
             raise InvalidUsageError(f"expected convert to give {n} keys, found {len(keys)}")
         since = self._since

@@ -758,8 +758,10 @@ class WriteState:
         n = self.correction.map_keys(convert)
         for sid, (upper, u, e) in list(self._staged.items()):
             if len(u):
-                n += len(u)
-                u = sort_consolidate(convert(u.keys), u.times, u.diffs)
+                converted = convert(u.keys)
+                if converted is not u.keys:
+                    n += len(u)
+                    u = sort_consolidate(converted, u.times, u.diffs)
             self._staged[sid] = (upper, u, e)
         self.key_schema = key_schema
         return n

@@ -20,8 +20,14 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
   the partition's desired frontier, the partition stages its consolidated updates before
   ``upper`` as data objects (named ``...-w<p>of<n>.parquet``), and reports on ``batches``
   (also when there is nothing to write);
-- bad input (undecodable messages, rows that do not match the schema, updates below their
-  partition's progress) becomes error rows at their time, in the shard's error collection.
+- bad input (undecodable messages, rows that do not match the schema or whose writer schema is
+  no version of the collection, updates below their partition's progress) becomes error rows
+  at their time, in the shard's error collection;
+- schema evolution: the collection's row schema may be altered while the sink runs. The step
+  follows the shard's schema versions live (no restart): buffered keys are re-keyed to the
+  current schema when it changes, desired rows of every version are resolved to it, shard
+  parts are read as it, and the staged parts are written in it (see :class:`_Context`). An
+  alter alone writes nothing.
 
 Where the work runs. Executors, one task per writer partition with input, in one stage: the
 source's ``read()`` reads the partition's desired range and the micro-batch's control range
@@ -75,8 +81,9 @@ reach the correction buffer. Failures are counted per service process.
 Micro-batch order inside a writer partition's task (all on the executor):
 
 1. load the partition's newest state version before this batch (or start it: absorb the
-   shard's snapshot, or adopt it);
-2. absorb history gaps, desired updates and progress in offset order;
+   shard's snapshot, or adopt it); re-key it if the row schema changed since it was saved;
+2. resolve the desired rows to the current row schema; absorb history gaps, desired updates
+   and progress in offset order;
 3. read the shard's head; absorb (negated) everything appended since the persist frontier;
 4. absorb descriptions; decide; stage data objects (S3); write this batch's state version;
    emit reports.
@@ -534,6 +541,9 @@ class _Context:
             from shared.shard import conform_part
 
             for written, table in self.shard.read_parts_as_written(unrouted, state):
+                if written == self.schema:  # encoded once, routed by the same bodies
+                    out = out.plus(self.keys_of(in_range(table), wp, routed=False))
+                    continue
                 mine = self._route(written, in_range(table), wp)
                 out = out.plus(self.keys_of(conform_part(mine, self.view), wp, routed=True))
         return out
