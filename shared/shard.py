@@ -758,9 +758,13 @@ class Shard:
         return consolidate(table, [*view.row_columns, ERROR])
 
     def updates_between(self, state: ShardState, lower: int, upper: Frontier) -> pa.Table:
-        """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time)."""
+        """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time), in
+        the current row schema."""
         keys = [p.key for b in state.batches if not b.upper.less_equal(Frontier.at(lower)) for p in b.parts]
-        view = self.view(state.schema)
+        # In the newest schema this handle knows (the row columns its callers see), which is
+        # never older than the parts of ``state``.
+        head = self.head(max_age_s=1e9)
+        view = self.view(state.schema if state.seqno > head.seqno else head.schema)
         table = self._read_parts(keys, view)
         if table.num_rows:
             mask = pc.greater_equal(table[TIME], pa.scalar(lower, pa.uint64()))

@@ -278,7 +278,7 @@ class _Context:
         """Take the schema versions of ``state`` (default: the cached head) and re-key ``ws`` if
         its keys are in another version than the current one."""
         st = state if state is not None else self.shard.head()
-        if st.schema != self.schema or len(st.versions) != self._nversions:
+        if len(st.versions) > self._nversions:  # versions only ever grow: never go back
             self._take(st)
             log.info("collection %s: now at row schema version %d", self.job.sink.collection_id, len(st.versions) - 1)
         fp = self.header[2:]
@@ -294,7 +294,7 @@ class _Context:
         a broken buffer: SinkProtocolError."""
         out, errors = self.resolve_keys(keys, trust_current=True)
         if errors:
-            i, why = next(iter(errors.items()))
+            why = next(iter(errors.values()))
             raise SinkProtocolError(
                 f"expected the correction buffer to hold rows of the collection's schema versions, "
                 f"found {len(errors)} that do not resolve to the current one (the first: {why})",
