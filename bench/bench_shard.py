@@ -6,6 +6,9 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 - baseline_put_p50_ms: a plain unconditional S3 PUT of a part of the same size, same run
 - append_updates_per_s: compare_and_append of 100k-row batches
 - snapshot_1m_rows_s: snapshot of a shard holding 1M consolidated rows
+- snapshot_1m_rows_mixed_versions_s: the same, with half the rows written under schema v1
+  and half under v2 (v1 + a nullable field and a field with a default): the v1 parts are read
+  as v2 (target: within 1.5x of snapshot_1m_rows_s; ``mixed_versions_ratio``)
 - batches_after_10k_appends: batch count after 10k appends with compaction on
 
 ``--quick`` shrinks every size (for smoke runs); the figures in BENCHMARKS.md are full runs.
@@ -23,6 +26,7 @@ import time
 import uuid
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,6 +48,23 @@ SCHEMA = {
 
 def log(msg: str) -> None:
     print(f"[bench-shard] {msg}", file=sys.stderr, flush=True)
+
+
+#: v2 of SCHEMA (issue 16): a nullable field and a field with a default added.
+SCHEMA_V2 = {
+    **SCHEMA,
+    "fields": [
+        *SCHEMA["fields"],  # type: ignore[misc]
+        {"name": "note", "type": ["null", "string"], "default": None},
+        {"name": "region", "type": "string", "default": "eu"},
+    ],
+}
+
+
+def rows_table_v2(start: int, n: int, time_: int) -> pa.Table:
+    t = rows_table(start, n, time_)
+    t = t.append_column("note", pa.array([None if i % 3 else f"n{i % 7}" for i in range(start, start + n)], pa.string()))
+    return t.append_column("region", pa.array([("eu", "us", "ap")[i % 3] for i in range(start, start + n)], pa.string()))
 
 
 def rows_table(start: int, n: int, time_: int, diff: int = 1) -> pa.Table:
@@ -130,6 +151,26 @@ def main() -> int:
         out["snapshot_1m_rows_s"] = round(min(times), 3)
         out["snapshot_rows"] = snap_rows
         log(f"snapshot {snap_rows} rows in {out['snapshot_1m_rows_s']} s")
+
+        # 3b. The same with half the rows under v1 and half under v2 (schema evolution).
+        sh = Shard.create(store, f"snap-mixed-{run}", SCHEMA)
+        chunks = snap_rows // chunk
+        for i in range(chunks):
+            if i == chunks // 2:
+                sh.alter_schema(SCHEMA_V2)
+            t = rows_table(i * chunk, chunk, i) if i < chunks // 2 else rows_table_v2(i * chunk, chunk, i)
+            sh.compare_and_append(t, i, i + 1)
+        times = []
+        for _ in range(3):
+            a = time.perf_counter()
+            snap = sh.snapshot(as_of)
+            times.append(time.perf_counter() - a)
+        assert snap.num_rows == snap_rows and "region" in snap.column_names, snap.schema
+        assert snap.filter(pa.compute.equal(snap["id"], 0))["region"].to_pylist() == ["eu"]  # a v1 row: the default
+        out["snapshot_1m_rows_mixed_versions_s"] = round(min(times), 3)
+        out["mixed_versions_ratio"] = round(min(times) / max(out["snapshot_1m_rows_s"], 1e-9), 2)  # type: ignore[arg-type]
+        log(f"snapshot {snap_rows} rows of two schema versions in {out['snapshot_1m_rows_mixed_versions_s']} s "
+            f"({out['mixed_versions_ratio']}x the single version)")
 
         # 4. Batch count after many small appends with compaction on.
         sh = Shard.create(store, f"compact-{run}", SCHEMA, auto_compact=True)

@@ -227,6 +227,9 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     row("shard `cas_p50_ms`", g(res, "bench-shard", "cas_p50_ms"), f"plain PUT p50 {fmt(g(res, 'bench-shard', 'baseline_put_p50_ms'))} ms", "<=", 20)
     row("shard `append_updates_per_s`", g(res, "bench-shard", "append_updates_per_s"))
     row("shard `snapshot_1m_rows_s`", g(res, "bench-shard", "snapshot_1m_rows_s"), "", "<=", 1)
+    row("shard `snapshot_1m_rows_mixed_versions_s` (half v1, half v2)", g(res, "bench-shard", "snapshot_1m_rows_mixed_versions_s"),
+        f"single version {fmt(g(res, 'bench-shard', 'snapshot_1m_rows_s'))} s", target_text="<= 1.5 x single version")
+    row("shard `mixed_versions_ratio`", g(res, "bench-shard", "mixed_versions_ratio"), "", "<=", 1.5)
     n_app = g(res, "bench-shard", "appends_for_batch_count") or 10_000
     row(f"shard batches after {fmt(n_app)} appends (`batches_after_10k_appends`)", g(res, "bench-shard", "batches_after_10k_appends"),
         "", "<=", round(2 * math.log2(n_app), 1))

@@ -23,6 +23,12 @@ KIND_CONTROL = "control"
 #: History lost to retention (write service): ``frontier`` = first lost offset, ``time`` = the
 #: first offset still available (see ``historyGapTopics`` in shared.io.spark_kafka).
 KIND_GAP = "gap"
+#: An update whose row is single-object encoded with a writer schema the decoder does not know
+#: (the write service's decode, with ``route_to``): ``row`` holds the bytes as produced, with
+#: ``time`` and ``diff``. The write step resolves it with the collection's schema versions,
+#: which it follows live (the row schema may have been altered since the query started), or
+#: makes it an error row; see :meth:`services.write.service._Context.resolve_rows`.
+KIND_UNRESOLVED = "unresolved"
 
 DECODED_SCHEMA = pa.schema(
     [
@@ -84,6 +90,13 @@ def decode_partition(
     updates become ``bad`` records at their own time and diff (the write service's quarantine
     of a micro-batch that kept failing); the error names the offset, the reason and the row.
 
+    With ``route_to``, a row single-object encoded with a fingerprint other than the row
+    schema's (an older or a newer version of the collection's schema: the schema may be altered
+    while the sink runs) is not decided here: it becomes an ``unresolved`` record
+    (:data:`KIND_UNRESOLVED`) with its bytes, time and diff, which the write step resolves
+    with the collection's schema versions or makes an error row. Without ``route_to`` such a
+    row is a ``bad`` record, as is any row that is not single-object encoded.
+
     ``executor``: the function runs in a Spark worker (it settles the worker's heap first,
     :mod:`shared.io.worker_heap`); False when it runs on the driver.
 
@@ -109,8 +122,8 @@ def decode_partition(
     return fn
 
 
-_K_UPDATE, _K_PROGRESS, _K_BAD, _K_CONTROL, _K_GAP, _K_SKIP = range(6)
-_KIND_NAMES = (KIND_UPDATE, KIND_PROGRESS, KIND_BAD, KIND_CONTROL, KIND_GAP)
+_K_UPDATE, _K_PROGRESS, _K_BAD, _K_CONTROL, _K_GAP, _K_UNRESOLVED, _K_SKIP = range(7)
+_KIND_NAMES = (KIND_UPDATE, KIND_PROGRESS, KIND_BAD, KIND_CONTROL, KIND_GAP, KIND_UNRESOLVED)
 
 
 @functools.cache
@@ -161,6 +174,8 @@ class DesiredDecoder:
         self.route_to = route_to
         self.quarantine = list(quarantine or [])
         self.only_wp = only_wp
+        #: rows of another writer schema are left to the write step (see decode_partition)
+        self.resolve_later = route_to is not None
         self.row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
         self.rows = ColumnCodec(self.row_codec.schema) if self.row_codec is not None else None
         self.row_header = MARKER + self.row_codec.fingerprint if self.row_codec is not None else b""
@@ -232,7 +247,8 @@ class DesiredDecoder:
             self._one(int(i), rb, val, kind, row, tm, has_tm, diff, has_diff, fr, has_fr, closed, err, part, off)
         if self.quarantine:
             for qp, qs, qe, why in self.quarantine:
-                for i in np.flatnonzero((kind == _K_UPDATE) & (part == qp) & (off >= qs) & (off < qe)):
+                is_row = (kind == _K_UPDATE) | (kind == _K_UNRESOLVED)
+                for i in np.flatnonzero(is_row & (part == qp) & (off >= qs) & (off < qe)):
                     r = row.get(int(i))
                     kind[i] = _K_BAD
                     err.set(int(i), _quarantined(self.desired_topic, qp, int(off[i]), why, r, self.row_codec))
@@ -275,10 +291,27 @@ class DesiredDecoder:
         import numpy as np
         import pyarrow.compute as pc
 
+        from shared.codec import MARKER
+
         if self.rows is None or self.row_codec is None:
             row.put(idx, rows)
             return
-        same = pc.fill_null(pc.equal(pc.binary_slice(rows, 0, 10), pa.scalar(self.row_header, pa.binary())), False).to_numpy(zero_copy_only=False)
+        heads = pc.binary_slice(rows, 0, 10)
+        same = pc.fill_null(pc.equal(heads, pa.scalar(self.row_header, pa.binary())), False).to_numpy(zero_copy_only=False)
+        if self.resolve_later:
+            # Single-object encoded with another schema: the write step resolves it.
+            framed = pc.fill_null(pc.equal(pc.binary_slice(rows, 0, 2), pa.scalar(MARKER, pa.binary())), False)
+            long_enough = pc.fill_null(pc.greater_equal(pc.binary_length(rows), 10), False)
+            other = np.asarray(pc.and_(framed, long_enough).to_numpy(zero_copy_only=False)) & ~same
+            if other.any():
+                oi = np.flatnonzero(other)
+                kind[idx[oi]] = _K_UNRESOLVED
+                row.put(idx[oi], rows.take(pa.array(oi)))
+                same_or_other = same | other
+            else:
+                same_or_other = same
+        else:
+            same_or_other = same
         fast = np.flatnonzero(same)
         if len(fast):
             d = self.rows.decode(rows.take(pa.array(fast)), skip=10)
@@ -287,9 +320,9 @@ class DesiredDecoder:
                 bodies = self.rows.encode(d.table)
                 canon = pc.binary_join_element_wise(pa.scalar(self.row_header, pa.binary()), bodies, pa.scalar(b"", pa.binary()))
                 row.put(idx[ok], canon)
-            slow = np.concatenate([fast[~d.ok], np.flatnonzero(~same)])
+            slow = np.concatenate([fast[~d.ok], np.flatnonzero(~same_or_other)])
         else:
-            slow = np.flatnonzero(~same)
+            slow = np.flatnonzero(~same_or_other)
         from shared.errors import DecodeError
 
         for j in slow.tolist():
@@ -338,6 +371,11 @@ class DesiredDecoder:
             kind[i] = _K_SKIP
             return
         if self.row_codec is None:
+            row.set(i, msg.row)
+            return
+        fp = self.row_codec.codec.writer_fingerprint(msg.row)
+        if self.resolve_later and fp is not None and not self.row_codec.codec.knows(fp):
+            kind[i] = _K_UNRESOLVED  # another version of the schema: the write step resolves it
             row.set(i, msg.row)
             return
         try:

@@ -302,6 +302,9 @@ class Catalog:
     def alter_collection(self, collection_id: str, read_policy: dict[str, Any], *, epoch: int | None = None) -> CatalogState:
         return self.update(alter_collection_transition(collection_id, read_policy), epoch=epoch)
 
+    def alter_collection_schema(self, collection_id: str, schema: dict[str, Any], *, epoch: int | None = None) -> CatalogState:
+        return self.update(alter_collection_schema_transition(collection_id, schema), epoch=epoch)
+
     def drop_collection(self, collection_id: str, *, epoch: int | None = None) -> CatalogState:
         return self.update(drop_collection_transition(collection_id), epoch=epoch)
 
@@ -359,6 +362,19 @@ def alter_collection_transition(collection_id: str, read_policy: dict[str, Any])
         if c.read_policy == read_policy:
             return s
         return replace(s, collections={**s.collections, collection_id: replace(c, read_policy=read_policy)})
+
+    return t
+
+
+def alter_collection_schema_transition(collection_id: str, schema: dict[str, Any]) -> Transition:
+    """The collection's row schema becomes ``schema`` (the shard's current version: the shard is
+    altered first, and checks that the change is compatible; the catalog follows it)."""
+
+    def t(s: CatalogState) -> CatalogState:
+        c = s.collection(collection_id)
+        if c.schema == schema:
+            return s
+        return replace(s, collections={**s.collections, collection_id: replace(c, schema=schema)})
 
     return t
 

@@ -28,6 +28,7 @@ from shared.errors import (
     DecodeError,
     InvalidUsageError,
     NotReadableYetError,
+    IncompatibleSchemaError,
     SchemaError,
     SchemaMismatchError,
     ShardDroppedError,
@@ -168,6 +169,8 @@ def error_kind(e: BaseException) -> str:
         return "NotReadableYet"
     if isinstance(e, UpperMismatchError):
         return "UpperMismatch"
+    if isinstance(e, IncompatibleSchemaError):
+        return "IncompatibleSchema"
     if isinstance(e, (SchemaError, SchemaMismatchError)):
         return "SchemaError"
     if isinstance(e, DecodeError):

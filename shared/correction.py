@@ -39,7 +39,7 @@ Invariants (checked by the property tests against a naive ``Counter`` model):
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -326,6 +326,32 @@ class Correction:
         if len(contents):
             self._merge_into_chunks(contents)
 
+    def map_keys(self, convert: Callable[[pa.Array], pa.Array]) -> int:
+        """Replace every key ``k`` by ``convert(keys)[i]`` (a function of a binary array of keys
+        giving one key per key, in order), then consolidate again: keys that become equal
+        meet. For a change of the keys' encoding (the row schema changed: the same row value
+        gets the new schema's canonical bytes). Returns the number of entries converted.
+
+        Invariant 1 holds with the multiset's keys mapped: ``{(convert(k), t): d}`` summed."""
+        contents = self.contents()
+        n = len(contents)
+        if n == 0:
+            return 0
+        converted = convert(contents.keys)
+        if converted is contents.keys:
+            return 0  # nothing changed
+        keys = _as_binary(converted)
+        if len(keys) != n:
+            raise InvalidUsageError(f"expected convert to give {n} keys, found {len(keys)}")
+        since = self._since
+        self.clear()
+        self._since = since
+        staged = _sort_consolidate(keys, contents.times, contents.diffs)
+        del contents, keys
+        if len(staged):
+            self._merge_into_chunks(staged)
+        return n
+
     # -- maintenance ------------------------------------------------------------------------
     def clear(self) -> None:
         self._set_chunks([])
@@ -484,6 +510,14 @@ def decode_tuple_row(key: bytes) -> tuple[Any, ...]:
 
 
 # -- vectorised helpers ---------------------------------------------------------------------
+
+
+def sort_consolidate(
+    keys: pa.Array, times: npt.NDArray[np.uint64], diffs: npt.NDArray[np.int64]
+) -> ConsolidatedUpdates:
+    """Updates as :class:`ConsolidatedUpdates`: sorted by ``(key, time)``, equal ``(key, time)``
+    summed, zero sums dropped."""
+    return _sort_consolidate(_as_binary(keys), times, diffs)
 
 
 def _sort_consolidate(

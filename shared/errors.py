@@ -127,6 +127,13 @@ class SchemaError(CodecError):
     type with no Arrow/Parquet mapping (a non-nullable union, a recursive type)."""
 
 
+class IncompatibleSchemaError(SchemaError):
+    """A new row schema for a collection that some earlier version's rows cannot be read as
+    (Avro's schema resolution, see :mod:`shared.schema_evolution`). ``field`` names the
+    offending field (a path such as ``Order.items[].qty``), ``rule`` the rule it breaks,
+    ``version`` the earlier version (0 = the first) whose rows would not read."""
+
+
 class SchemaRegistryError(CodecError):
     """The schema registry could not be reached or answered something unusable (not a bad
     message: an unknown schema id is a DecodeError)."""
@@ -202,6 +209,7 @@ ERROR_KINDS: dict[str, tuple[str, str]] = {
     "NotReadableYetError": ("NotReadableYet", "a read at or beyond the upper, still so after the peek timeout"),
     "UpperMismatchError": ("UpperMismatch", "an append whose expected upper is not the collection's upper"),
     "SchemaError": ("SchemaError", "a schema that is not an acceptable Avro record, or rows that do not match it"),
+    "IncompatibleSchemaError": ("IncompatibleSchema", "a new row schema that an earlier version's rows cannot be read as (names the field and the rule)"),
     "DecodeError": ("DecodeError", "bytes that do not decode with the expected schema"),
     "InvalidUsageError": ("InvalidUsage", "a command or flag that breaks the contract (bad value, bad id, bad time)"),
     "InternalError": ("Internal", "a failure of the controller itself (its log says more)"),

@@ -27,6 +27,13 @@ checkpoint):
 Idempotency: ``compare_and_append(..., token=T)`` records T in the state. A retry of an append
 that landed finds T (in the head's recent tokens) and returns success without applying twice.
 
+Schema versions: the state records every row schema version with the first upper from which it
+holds (:meth:`Shard.alter_schema`). A part is written in the schema its writer had (its Parquet
+metadata names it: ``shardsink.schema``, the schema's fingerprint; a part without it was written
+under the first version) and is read as the schema of the state being read
+(:func:`conform_part`, :class:`shared.schema_evolution.Resolver`): snapshot, listen, read-back
+and merges all see one schema, the current one, and a merge writes its parts in it.
+
 Safety of GC: data objects that no state references are deleted only after ``grace_ms``;
 staged batches older than ``grace_ms / 2`` are refused by append (StagedBatchExpiredError),
 and a writer re-probes the head when its cache is older than ``grace_ms / 2``, so a deleted
@@ -36,12 +43,14 @@ state seqno is never written again.
 from __future__ import annotations
 
 import io
+import json
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -50,6 +59,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shared.avro_arrow import avro_to_arrow_schema, parse_row_schema, rows_to_arrow
+from shared.schema_evolution import Resolver
 from shared.errors import (
     InvalidUsageError,
     NotReadableYetError,
@@ -71,6 +81,7 @@ from shared.state import (
     BatchMeta,
     Part,
     ShardState,
+    apply_alter_schema,
     apply_append,
     apply_downgrade_since,
     apply_drop,
@@ -89,6 +100,8 @@ TIME = "_time"
 DIFF = "_diff"
 ERROR = "_error"
 DATA_FORMAT_VERSION = "1"
+#: Parquet metadata key of a part: the fingerprint (hex) of the row schema it was written in.
+SCHEMA_META_KEY = b"shardsink.schema"
 DEFAULT_GRACE_MS = 10 * 60 * 1000
 # A merge writes its result as parts of at most this many rows, encoded in parallel.
 MERGE_ROWS_PER_PART = 256 * 1024
@@ -118,6 +131,56 @@ def part_schema(row_schema: pa.Schema) -> pa.Schema:
         pa.field(ERROR, pa.string(), nullable=True),
     ]
     return pa.schema(fields)
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaView:
+    """One row schema version and what the shard needs of it: its Arrow row and part schemas,
+    its resolver (rows of earlier versions read as it) and its fingerprint (hex)."""
+
+    schema: dict[str, Any]
+    row_schema: pa.Schema
+    part_schema: pa.Schema
+    resolver: Resolver
+    fingerprint: str
+
+    @property
+    def row_columns(self) -> list[str]:
+        return list(self.row_schema.names)
+
+
+def schema_view(schema: dict[str, Any]) -> SchemaView:
+    """The (cached) view of a row schema."""
+    return _schema_view(json.dumps(schema, sort_keys=True))
+
+
+@lru_cache(maxsize=64)
+def _schema_view(key: str) -> SchemaView:
+    from shared.codec import fingerprint
+
+    schema = json.loads(key)
+    rows = avro_to_arrow_schema(schema)
+    return SchemaView(schema, rows, part_schema(rows), Resolver.of(schema), fingerprint(schema).hex())
+
+
+def conform_part(table: pa.Table, view: SchemaView) -> pa.Table:
+    """A part's table (written in any accepted version of the schema) as a table of
+    ``view``'s part schema: row columns resolved (added columns take their default, promoted
+    types are cast, removed columns dropped; error rows keep null rows), then ``_time``,
+    ``_diff``, ``_error``. A part written in ``view``'s schema costs a comparison."""
+    target = view.part_schema
+    if table.schema.equals(target):
+        return table
+    if view.resolver.is_current(table.schema):
+        return table.select(target.names).cast(target)
+    errors = None
+    if ERROR in table.column_names and table[ERROR].null_count < table.num_rows:
+        errors = table[ERROR].is_valid().combine_chunks()
+    rows = view.resolver.resolve(table, null_where=errors)
+    for name in (TIME, DIFF, ERROR):
+        col = table[name] if name in table.column_names else pa.nulls(table.num_rows, target.field(name).type)
+        rows = rows.append_column(name, col)
+    return rows.cast(target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +358,6 @@ class Shard:
             name=f"shard {shard_id}",
         )
         self._io_threads = io_threads
-        self._row_schema: pa.Schema | None = None
-        self._part_schema: pa.Schema | None = None
 
     # -- keys ------------------------------------------------------------------------------
     def state_key(self, seqno: int) -> str:
@@ -321,14 +382,15 @@ class Shard:
         since: Frontier | int = 0,
         **kw: Any,
     ) -> Shard:
-        """Create the shard (state 0), or open it if it exists with the same schema."""
+        """Create the shard (state 0), or open it if it exists with the same schema (or one of
+        its versions: the shard's schema may have been altered since)."""
         shard = cls(store, shard_id, **kw)
         parsed = parse_row_schema(schema)
         since_f = since if isinstance(since, Frontier) else Frontier.at(since)
         state = initial_state(shard_id, parsed, since_f, shard.clock(), uuid.uuid4().hex)
         if not shard._log.put_initial(state):
             existing = shard.refresh()
-            if existing.schema != parsed:
+            if all(v.schema != parsed for v in existing.versions):
                 raise ShardExistsError(
                     f"expected shard {shard_id!r} to have the given schema, found another",
                     shard_id=shard_id,
@@ -371,29 +433,42 @@ class Shard:
         return self.refresh().since
 
     # -- schema ----------------------------------------------------------------------------
+    def view(self, schema: dict[str, Any] | None = None) -> SchemaView:
+        """The view of ``schema`` (default: the current schema of the cached head)."""
+        return schema_view(self.head(max_age_s=1e9).schema if schema is None else schema)
+
     @property
     def row_schema(self) -> pa.Schema:
-        if self._row_schema is None:
-            self._row_schema = avro_to_arrow_schema(self.head(max_age_s=1e9).schema)
-        return self._row_schema
+        """The Arrow row schema of the current version (as of the cached head)."""
+        return self.view().row_schema
 
     @property
     def part_schema(self) -> pa.Schema:
-        if self._part_schema is None:
-            self._part_schema = part_schema(self.row_schema)
-        return self._part_schema
+        return self.view().part_schema
 
     @property
     def row_columns(self) -> list[str]:
-        return list(self.row_schema.names)
+        return self.view().row_columns
 
-    def to_table(self, updates: Updates) -> pa.Table:
-        """Updates as a table in the part schema.
+    def alter_schema(self, schema: dict[str, Any] | str) -> ShardState:
+        """Make ``schema`` the current row schema, holding from the current upper on.
+
+        Refused with :class:`~shared.errors.IncompatibleSchemaError` (field, rule) unless rows
+        of every earlier version can be read as it (:mod:`shared.schema_evolution`); the shard
+        is then unchanged. The current schema again is a no-op. Nothing else changes: parts
+        stay as they are and are read as the new schema."""
+        parsed = parse_row_schema(schema)
+        token = uuid.uuid4().hex
+        return self._commit(lambda h: apply_alter_schema(h, parsed, self.clock(), token), token)
+
+    def to_table(self, updates: Updates, *, schema: dict[str, Any] | None = None) -> pa.Table:
+        """Updates as a table in the part schema (of ``schema``, default the current one).
 
         Accepts an Arrow table with the row columns, ``_time`` and ``_diff`` (``_error``
         optional), or a sequence of ``(row_dict, time, diff)`` / ``(None, time, diff, error)``.
         """
-        target = self.part_schema
+        view = self.view(schema)
+        target = view.part_schema
         if isinstance(updates, pa.Table):
             table = updates
         else:
@@ -409,7 +484,7 @@ class Shard:
                 errors.append(err)
             ok_rows = [r for r in rows if r is not None]
             if ok_rows:
-                body = rows_to_arrow(ok_rows, self.head(max_age_s=1e9).schema)
+                body = rows_to_arrow(ok_rows, view.schema)
                 if len(ok_rows) != len(rows):
                     # Interleave null rows for the error entries.
                     idx, taken = [], 0
@@ -418,7 +493,7 @@ class Shard:
                         taken += r is not None
                     body = body.take(pa.array(idx, type=pa.int64()))
             else:
-                body = pa.table({f.name: pa.nulls(len(rows), f.type) for f in self.row_schema})
+                body = pa.table({f.name: pa.nulls(len(rows), f.type) for f in view.row_schema})
             try:
                 table = body.append_column(TIME, pa.array(times, pa.uint64()))
             except (pa.ArrowInvalid, OverflowError, TypeError) as e:
@@ -439,9 +514,13 @@ class Shard:
             raise SchemaMismatchError(f"expected updates castable to {target}, found: {e}") from e
 
     # -- data objects ----------------------------------------------------------------------
-    def _write_part(self, table: pa.Table, tag: str | None = None) -> Part:
+    def _write_part(self, table: pa.Table, tag: str | None = None, *, view: SchemaView | None = None) -> Part:
         buf = io.BytesIO()
-        meta = {b"shardsink.format": DATA_FORMAT_VERSION.encode(), b"shardsink.shard": self.shard_id.encode()}
+        meta = {
+            b"shardsink.format": DATA_FORMAT_VERSION.encode(),
+            b"shardsink.shard": self.shard_id.encode(),
+            SCHEMA_META_KEY: (view or self.view()).fingerprint.encode(),
+        }
         pq.write_table(table.replace_schema_metadata(meta), buf, compression="snappy")
         data = buf.getvalue()
         key = self._data_key(tag)
@@ -449,14 +528,13 @@ class Shard:
         errors = table.num_rows - table[ERROR].null_count if ERROR in table.column_names else 0
         return Part(key=key, rows=table.num_rows, bytes=len(data), errors=errors)
 
-    def _read_parts(self, keys: Sequence[str]) -> pa.Table:
-        schema = self.part_schema
+    def _read_parts(self, keys: Sequence[str], view: SchemaView | None = None) -> pa.Table:
+        view = view or self.view()
         if not keys:
-            return schema.empty_table()
+            return view.part_schema.empty_table()
 
         def one(k: str) -> pa.Table:
-            t = pq.read_table(io.BytesIO(self.store.get(k)))
-            return t if t.schema.equals(schema) else t.cast(schema)
+            return conform_part(pq.read_table(io.BytesIO(self.store.get(k))), view)
 
         if len(keys) == 1:
             return one(keys[0])
@@ -464,23 +542,60 @@ class Shard:
             tables = list(ex.map(one, keys))
         return pa.concat_tables(tables)
 
-    def read_parts(self, keys: Sequence[str]) -> pa.Table:
-        """The rows of the given data objects, in the part schema (not consolidated)."""
-        return self._read_parts(keys)
+    def read_parts(self, keys: Sequence[str], *, schema: dict[str, Any] | None = None) -> pa.Table:
+        """The rows of the given data objects in the part schema of ``schema`` (default: the
+        current one), whatever version they were written in (not consolidated)."""
+        return self._read_parts(keys, self.view(schema))
+
+    def read_parts_as_written(
+        self, keys: Sequence[str], state: ShardState | None = None
+    ) -> list[tuple[dict[str, Any], pa.Table]]:
+        """Each data object's rows in the schema version it was written in: ``(that version's
+        Avro schema, its table in that version's part schema)``, in the order of ``keys``. A
+        part names its version in its metadata; one without it was written under the first.
+        The version is looked up in ``state`` (default: the cached head)."""
+        st = state or self.head(max_age_s=1e9)
+        versions = {schema_view(v.schema).fingerprint: v.schema for v in st.versions}
+        first = st.versions[0].schema
+
+        def one(k: str) -> tuple[dict[str, Any], pa.Table]:
+            t = pq.read_table(io.BytesIO(self.store.get(k)))
+            fp = (t.schema.metadata or {}).get(SCHEMA_META_KEY)
+            schema = first if fp is None else versions.get(fp.decode())
+            if schema is None:
+                raise SchemaMismatchError(
+                    f"expected a part written in a schema version of {self.shard_id!r}, found "
+                    f"{k!r} written in an unknown one ({fp!r})",
+                    shard_id=self.shard_id,
+                )
+            return schema, conform_part(t, schema_view(schema))
+
+        if len(keys) <= 1:
+            return [one(k) for k in keys]
+        with ThreadPoolExecutor(max_workers=min(self._io_threads, len(keys))) as ex:
+            return list(ex.map(one, keys))
 
     def stage(
-        self, updates: Updates, *, max_rows_per_part: int = 1_000_000, tag: str | None = None
+        self,
+        updates: Updates,
+        *,
+        max_rows_per_part: int = 1_000_000,
+        tag: str | None = None,
+        schema: dict[str, Any] | None = None,
     ) -> StagedBatch:
         """Write updates as data objects without appending them (consolidated first).
 
         ``tag`` (letters, digits, ``-``) is appended to the objects' names: the write service
-        names its writer partition there, so a reader can route a part without reading it."""
-        table = self.to_table(updates)
-        table = consolidate(table, [*self.row_columns, ERROR, TIME])
-        table = table.select(self.part_schema.names)
+        names its writer partition there, so a reader can route a part without reading it.
+        ``schema``: the row schema version the updates are in (default: the current one); the
+        parts record it."""
+        view = self.view(schema)
+        table = self.to_table(updates, schema=view.schema)
+        table = consolidate(table, [*view.row_columns, ERROR, TIME])
+        table = table.select(view.part_schema.names)
         parts: list[Part] = []
         for off in range(0, table.num_rows, max_rows_per_part):
-            parts.append(self._write_part(table.slice(off, max_rows_per_part), tag))
+            parts.append(self._write_part(table.slice(off, max_rows_per_part), tag, view=view))
         if table.num_rows:
             mm = pc.min_max(table[TIME])
             lo, hi = mm["min"].as_py(), mm["max"].as_py()
@@ -634,23 +749,29 @@ class Shard:
         # Times only ever advance (to since <= as_of), so a batch whose lower is beyond
         # as_of holds nothing visible at as_of.
         visible = [b for b in state.batches if b.lower.beyond(as_of)]
-        table = self._read_parts([p.key for b in visible for p in b.parts])
+        view = self.view(state.schema)
+        table = self._read_parts([p.key for b in visible for p in b.parts], view)
         # A batch's times are below its upper: when every upper is at most as_of + 1, every
         # time is at or before as_of and the filter has nothing to drop.
         if table.num_rows and not all(b.upper.less_equal(Frontier.at(as_of + 1)) for b in visible):
             table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
-        return consolidate(table, [*self.row_columns, ERROR])
+        return consolidate(table, [*view.row_columns, ERROR])
 
     def updates_between(self, state: ShardState, lower: int, upper: Frontier) -> pa.Table:
-        """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time)."""
+        """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time), in
+        the current row schema."""
         keys = [p.key for b in state.batches if not b.upper.less_equal(Frontier.at(lower)) for p in b.parts]
-        table = self._read_parts(keys)
+        # In the newest schema this handle knows (the row columns its callers see), which is
+        # never older than the parts of ``state``.
+        head = self.head(max_age_s=1e9)
+        view = self.view(state.schema if state.seqno > head.seqno else head.schema)
+        table = self._read_parts(keys, view)
         if table.num_rows:
             mask = pc.greater_equal(table[TIME], pa.scalar(lower, pa.uint64()))
             if upper.time is not None:
                 mask = pc.and_(mask, pc.less(table[TIME], pa.scalar(upper.time, pa.uint64())))
             table = table.filter(mask)
-        return consolidate(table, [*self.row_columns, ERROR, TIME]).select(self.part_schema.names)
+        return consolidate(table, [*view.row_columns, ERROR, TIME]).select(view.part_schema.names)
 
     def listen(
         self,
@@ -728,14 +849,19 @@ class Shard:
         return self._commit(transition, token)
 
     # -- compaction ------------------------------------------------------------------------
-    def _merge_run(self, run: Sequence[BatchMeta], since: Frontier) -> BatchMeta | None:
-        table = self._read_parts([p.key for b in run for p in b.parts])
+    def _merge_run(
+        self, run: Sequence[BatchMeta], since: Frontier, schema: dict[str, Any] | None = None
+    ) -> BatchMeta | None:
+        """The merge of ``run``, written in ``schema`` (the head's: parts of earlier versions
+        are read as it)."""
+        view = self.view(schema)
+        table = self._read_parts([p.key for b in run for p in b.parts], view)
         if since.time is not None and table.num_rows:
             advanced = pc.max_element_wise(table[TIME], pa.scalar(since.time, pa.uint64()))
             table = table.set_column(table.schema.get_field_index(TIME), TIME, advanced)
-        table = consolidate(table, [*self.row_columns, ERROR, TIME]).select(self.part_schema.names)
-        if table.schema != self.part_schema:
-            table = table.cast(self.part_schema)
+        table = consolidate(table, [*view.row_columns, ERROR, TIME]).select(view.part_schema.names)
+        if table.schema != view.part_schema:
+            table = table.cast(view.part_schema)
         merged_since = since if not since.is_empty() else run[-1].since
         if table.num_rows == 0:
             return None
@@ -744,20 +870,22 @@ class Shard:
             lower=run[0].lower,
             upper=run[-1].upper,
             since=merged_since,
-            parts=self._write_parts(table),
+            parts=self._write_parts(table, view=view),
             rows=table.num_rows,
         )
 
-    def _write_parts(self, table: pa.Table, *, rows_per_part: int | None = None) -> tuple[Part, ...]:
+    def _write_parts(
+        self, table: pa.Table, *, rows_per_part: int | None = None, view: SchemaView | None = None
+    ) -> tuple[Part, ...]:
         """Write ``table`` as parts of at most ``rows_per_part`` rows (default
         ``MERGE_ROWS_PER_PART``), encoded concurrently (Parquet encoding releases the GIL,
         so a large merge uses every core)."""
         rows_per_part = rows_per_part or MERGE_ROWS_PER_PART
         slices = [table.slice(off, rows_per_part) for off in range(0, table.num_rows, rows_per_part)]
         if len(slices) == 1:
-            return (self._write_part(slices[0]),)
+            return (self._write_part(slices[0], view=view),)
         with ThreadPoolExecutor(max_workers=min(self._io_threads, len(slices))) as ex:
-            return tuple(ex.map(self._write_part, slices))
+            return tuple(ex.map(lambda t: self._write_part(t, view=view), slices))
 
     def _apply_merge_of(self, run: Sequence[BatchMeta], merged: BatchMeta | None) -> bool:
         token = uuid.uuid4().hex
@@ -783,7 +911,7 @@ class Shard:
             if plan is None:
                 return done
             run = head.batches[plan[0] : plan[1]]
-            if self._apply_merge_of(run, self._merge_run(run, head.since)):
+            if self._apply_merge_of(run, self._merge_run(run, head.since, head.schema)):
                 done += 1
             else:
                 self.refresh()
@@ -799,7 +927,7 @@ class Shard:
         if not run or (len(run) == 1 and run[0].since == head.since):
             return False
         run = list(head.batches[: len(run)])
-        return self._apply_merge_of(run, self._merge_run(run, head.since))
+        return self._apply_merge_of(run, self._merge_run(run, head.since, head.schema))
 
     # -- drop and garbage collection -------------------------------------------------------
     def drop(self) -> ShardState:

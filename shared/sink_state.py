@@ -42,6 +42,7 @@ Invariants (from the seeds, kept by the classes below and tested in
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -57,6 +58,7 @@ from shared.correction import (
     TimesLike,
     as_diffs,
     as_times,
+    sort_consolidate,
 )
 from shared.desired import DesiredFrontierTracker, row_partition
 from shared.errors import InvalidUsageError, SinkProtocolError
@@ -494,6 +496,9 @@ class WriteState:
         # here, not from the object store.
         self._staged_parts: dict[str, str] = {}
         self._staged: dict[str, tuple[Frontier, ConsolidatedUpdates, ConsolidatedUpdates]] = {}
+        #: The fingerprint of the row schema the buffered keys are encoded in (a key is the
+        #: row's canonical single-object encoding); None when not known (an older checkpoint).
+        self.key_schema: bytes | None = None
 
     # -- desired input ----------------------------------------------------------------------
     def absorb_desired_progress(self, frontier: FrontierLike) -> None:
@@ -741,6 +746,26 @@ class WriteState:
         for k in [k for k, v in self._staged_parts.items() if v == sid]:
             del self._staged_parts[k]
 
+    # -- row schema ---------------------------------------------------------------------------
+    def rekey(self, key_schema: bytes, convert: Callable[[pa.Array], pa.Array]) -> int:
+        """The collection's row schema changed: every buffered row key (the correction buffer
+        and this partition's own staged batches) becomes ``convert(keys)``, the same rows'
+        canonical keys under the new schema (fingerprint ``key_schema``), and is consolidated
+        again, so that rows that now mean the same value meet (the new keys are what the
+        shard's parts, read back as the new schema, and desired updates of any version give).
+        Nothing is written because of it: only the keys' encoding changes. Error keys (texts)
+        stay. Returns the number of keys converted."""
+        n = self.correction.map_keys(convert)
+        for sid, (upper, u, e) in list(self._staged.items()):
+            if len(u):
+                converted = convert(u.keys)
+                if converted is not u.keys:
+                    n += len(u)
+                    u = sort_consolidate(converted, u.times, u.diffs)
+            self._staged[sid] = (upper, u, e)
+        self.key_schema = key_schema
+        return n
+
     # -- checkpoint -------------------------------------------------------------------------
     def to_checkpoint(self) -> bytes:
         """The whole state as bytes (Arrow IPC: the buffers and staged batches as rows, the
@@ -791,6 +816,7 @@ class WriteState:
             "adopted": None if self.adopted is None else self.adopted.to_json(),
             "unproven": self.unproven,
             "staged": staged_meta,
+            "key_schema": None if self.key_schema is None else self.key_schema.hex(),
         }
         schema = pa.schema(
             [("which", pa.string()), ("key", pa.binary()), ("time", pa.uint64()), ("diff", pa.int64())],
@@ -845,6 +871,8 @@ class WriteState:
         a = meta.get("adopted")
         ws.adopted = None if a is None else Frontier.from_json(a)
         ws.unproven = meta.get("unproven")
+        ks = meta.get("key_schema")
+        ws.key_schema = None if ks is None else bytes.fromhex(ks)
         for sid, sm in meta.get("staged", {}).items():
             ws._staged[sid] = (Frontier.from_json(sm["upper"]), part("su:" + sid), part("se:" + sid))
             for k in sm["parts"]:

@@ -17,8 +17,12 @@ Invariants (checked by :func:`check_invariants`, kept by every transition):
 - Recent append tokens are unique; a token names exactly one committed append.
 - A dropped shard has ``since = upper = {}`` and no batches, readers or writers.
 
-The state codec is plain JSON (format version :data:`STATE_FORMAT_VERSION`); golden fixtures in
-``tests/fixtures/state/`` guard it.
+The state codec is plain JSON; golden fixtures in ``tests/fixtures/state/`` guard it. Format
+:data:`STATE_FORMAT_VERSION` (1) is written while the shard has one row schema; a shard whose
+schema was altered is written in format :data:`SCHEMA_HISTORY_FORMAT_VERSION` (2), which adds
+``schema_versions`` (every version with the first upper from which it holds). A reader of
+format 1 only refuses a format-2 state (FormatError) rather than read old parts with a newer
+schema it does not know how to resolve. Both formats decode.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from shared.errors import (
 from shared.frontier import Frontier
 
 STATE_FORMAT_VERSION = 1
+#: The format of a state whose shard has more than one row schema version.
+SCHEMA_HISTORY_FORMAT_VERSION = 2
 #: How many committed append tokens a state remembers, for retries of indeterminate appends.
 RECENT_TOKENS = 256
 #: Fan-out of the tiered merge policy: FANOUT batches of one level merge into one.
@@ -203,6 +209,23 @@ class RetiredPart:
 
 
 @dataclass(frozen=True, slots=True)
+class SchemaVersion:
+    """A version of the shard's row schema and the first upper from which it holds: the shard's
+    upper when the version was added (updates at times from there on may be written with it;
+    parts of any version are read as the current one, see :mod:`shared.schema_evolution`)."""
+
+    schema: dict[str, Any]
+    from_upper: Frontier
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": self.schema, "from_upper": self.from_upper.to_json()}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> SchemaVersion:
+        return SchemaVersion(schema=dict(d["schema"]), from_upper=Frontier.from_json(d["from_upper"]))
+
+
+@dataclass(frozen=True, slots=True)
 class ShardState:
     shard_id: str
     seqno: int
@@ -220,8 +243,18 @@ class ShardState:
     #: outcome recognise its own state object.
     change_token: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    #: Every row schema version, oldest first, the last one being ``schema``; empty while the
+    #: shard has had only ``schema`` (format 1).
+    schema_versions: tuple[SchemaVersion, ...] = ()
 
-    # -- derived --------------------------------------------------------------------------
+    # -- derived --
+    @property
+    def versions(self) -> tuple[SchemaVersion, ...]:
+        """The row schema versions, oldest first; the last is the current ``schema``."""
+        if self.schema_versions:
+            return self.schema_versions
+        return (SchemaVersion(self.schema, Frontier.minimum()),)
+
     def referenced_keys(self) -> set[str]:
         return {p.key for b in self.batches for p in b.parts}
 
@@ -254,8 +287,9 @@ class ShardState:
 
     # -- codec ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT_VERSION,
+        history = len(self.schema_versions) > 1
+        d: dict[str, Any] = {
+            "format": SCHEMA_HISTORY_FORMAT_VERSION if history else STATE_FORMAT_VERSION,
             "shard_id": self.shard_id,
             "seqno": self.seqno,
             "schema": self.schema,
@@ -271,6 +305,9 @@ class ShardState:
             "change_token": self.change_token,
             "meta": self.meta,
         }
+        if history:
+            d["schema_versions"] = [v.to_json() for v in self.schema_versions]
+        return d
 
     def encode(self) -> bytes:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
@@ -284,13 +321,22 @@ class ShardState:
         if not isinstance(d, dict):
             raise FormatError(f"expected a JSON object for a shard state, found {type(d).__name__}")
         version = d.get("format")
-        if version != STATE_FORMAT_VERSION:
+        if version not in (STATE_FORMAT_VERSION, SCHEMA_HISTORY_FORMAT_VERSION):
             raise FormatError(
-                f"expected shard state format {STATE_FORMAT_VERSION}, found {version!r}",
-                expected=STATE_FORMAT_VERSION,
+                f"expected shard state format {STATE_FORMAT_VERSION} or "
+                f"{SCHEMA_HISTORY_FORMAT_VERSION}, found {version!r}",
+                expected=[STATE_FORMAT_VERSION, SCHEMA_HISTORY_FORMAT_VERSION],
                 actual=version,
             )
         try:
+            versions: tuple[SchemaVersion, ...] = ()
+            if version == SCHEMA_HISTORY_FORMAT_VERSION:
+                versions = tuple(SchemaVersion.from_json(v) for v in d["schema_versions"])
+                if len(versions) < 2 or versions[-1].schema != d["schema"]:
+                    raise FormatError(
+                        "expected schema_versions of at least two versions ending with the "
+                        f"current schema, found {len(versions)} version(s)"
+                    )
             return ShardState(
                 shard_id=str(d["shard_id"]),
                 seqno=int(d["seqno"]),
@@ -306,8 +352,9 @@ class ShardState:
                 written_ms=int(d["written_ms"]),
                 change_token=str(d.get("change_token", "")),
                 meta=dict(d.get("meta") or {}),
+                schema_versions=versions,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"expected a complete shard state object, found: {e}") from e
 
 
@@ -536,6 +583,23 @@ def apply_merge(
     new_batches = state.batches[:start] + ((merged,) if merged is not None else ()) + state.batches[end:]
     retired = state.retired + tuple(RetiredPart(p.key, now_ms) for b in old for p in b.parts)
     return _next(state, now_ms, token, batches=new_batches, retired=retired)
+
+
+def apply_alter_schema(state: ShardState, schema: dict[str, Any], now_ms: int, token: str) -> ShardState:
+    """A new row schema version, holding from the current upper on.
+
+    Precondition: rows of every earlier version can be read as ``schema``
+    (:func:`shared.schema_evolution.check_evolution`: IncompatibleSchemaError naming the field
+    and the rule otherwise; the state is unchanged). The current schema again is a no-op (the
+    state itself)."""
+    from shared.schema_evolution import check_evolution
+
+    _live(state)
+    new = check_evolution([v.schema for v in state.versions], schema)
+    if new == state.schema:
+        return state
+    versions = state.versions + (SchemaVersion(new, state.upper),)
+    return _next(state, now_ms, token, schema=new, schema_versions=versions)
 
 
 def apply_forget_retired(state: ShardState, keys: set[str], now_ms: int, token: str) -> ShardState:

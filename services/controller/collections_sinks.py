@@ -2,7 +2,8 @@
 
 Contract:
 
-- inputs: ``CreateCollection``, ``AlterCollection``, ``SetReadPolicy``, ``DropCollection``,
+- inputs: ``CreateCollection``, ``AlterCollection`` (a compatible new row schema),
+  ``SetReadPolicy``, ``DropCollection``,
   ``CreateSink``, ``DropSink``, ``AllowWrites``, ``Append`` commands;
 - state: the catalog's collections and sinks (pure transitions in :mod:`shared.catalog`,
   validated against the current catalog before anything is written);
@@ -28,6 +29,7 @@ from shared.catalog import (
     CollectionDef,
     SinkDef,
     allow_writes_transition,
+    alter_collection_schema_transition,
     alter_collection_transition,
     create_collection_transition,
     create_sink_transition,
@@ -70,19 +72,26 @@ class CollectionsRoom(CommandLoop):
         )
 
     def handle_AlterCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        """A new row schema: accepted iff rows of every earlier version read as it (the shard
+        checks, :mod:`shared.schema_evolution`; IncompatibleSchema names the field and the rule,
+        and nothing changes). The shard records the version first (what readers and the sink
+        follow), then the catalog, with the answer; a replay finds the shard current already."""
         c = self.catalog.state().collection(b["collection_id"])
         try:
-            schema = parse_row_schema(json.loads(b["row_schema"]))
+            schema = json.loads(b["row_schema"])
         except json.JSONDecodeError as e:
             raise CommandRejected("SchemaError", f"expected the row schema as JSON text, found: {e}") from None
-        if schema != c.schema:
-            raise CommandRejected(
-                "SchemaError",
-                f"expected the collection's current row schema (schema evolution is not supported by "
-                f"the shard storage yet), found another for {c.collection_id!r}",
-                collection_id=c.collection_id,
-            )
-        self._answer(cid, self._ack(cid, collection_id=c.collection_id), where=where, offset=off)
+        # 1. the shard: validates against every version, records the new one from its upper
+        st = self.collections[c.collection_id].shard.alter_schema(schema)
+        current = st.versions[-1]
+        alter = alter_collection_schema_transition(c.collection_id, st.schema)
+        # 2. catalog entry, response, offset in one commit
+        self._answer(
+            cid,
+            self._ack(cid, collection_id=c.collection_id, schema_version=len(st.versions) - 1,
+                      from_upper=current.from_upper.to_json()),
+            where=where, offset=off, change=lambda s, sec: alter(s),
+        )
 
     def handle_SetReadPolicy(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         policy = policy_from_avro(b["policy"])

@@ -64,7 +64,7 @@ from services.controller.model import (
 )
 from services.sinkio import ControlProducer
 from shared.catalog import Catalog, CatalogState, CollectionDef, FencedError
-from shared.codec import RowCodec, kind_of, message_codec, tagged
+from shared.codec import kind_of, message_codec, tagged
 from shared.controller_state import Capabilities, CommandRejected, ControllerSection, error_kind
 from shared.errors import (
     ConflictRetryError,
@@ -180,7 +180,7 @@ class CommandLoop:
         st = shard.refresh()
         if not st.dropped and st.reader(READER_ID) is None:
             st = shard.register_reader(READER_ID, kind=CRITICAL)
-        col = OpenCollection(shard, Capabilities(st.since), RowCodec(c.schema))
+        col = OpenCollection(shard, Capabilities(st.since))
         self.collections[c.collection_id] = col
         return col
 

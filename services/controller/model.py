@@ -70,8 +70,17 @@ class OpenCollection:
 
     shard: Shard
     caps: Capabilities
-    row_codec: RowCodec
     batches_seen: int = -1
+    _codec: RowCodec | None = None
+
+    @property
+    def row_codec(self) -> RowCodec:
+        """The codec of the collection's current row schema (as of the shard's last read head),
+        which decodes rows of every earlier version too. Follows an alter of the schema."""
+        st = self.shard.head(max_age_s=1e9)
+        if self._codec is None or self._codec.schema != st.schema:
+            self._codec = RowCodec(st.schema, previous=[v.schema for v in st.versions[:-1]])
+        return self._codec
 
 
 def b64(b: bytes) -> str:

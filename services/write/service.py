@@ -20,8 +20,14 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
   the partition's desired frontier, the partition stages its consolidated updates before
   ``upper`` as data objects (named ``...-w<p>of<n>.parquet``), and reports on ``batches``
   (also when there is nothing to write);
-- bad input (undecodable messages, rows that do not match the schema, updates below their
-  partition's progress) becomes error rows at their time, in the shard's error collection.
+- bad input (undecodable messages, rows that do not match the schema or whose writer schema is
+  no version of the collection, updates below their partition's progress) becomes error rows
+  at their time, in the shard's error collection;
+- schema evolution: the collection's row schema may be altered while the sink runs. The step
+  follows the shard's schema versions live (no restart): buffered keys are re-keyed to the
+  current schema when it changes, desired rows of every version are resolved to it, shard
+  parts are read as it, and the staged parts are written in it (see :class:`_Context`). An
+  alter alone writes nothing.
 
 Where the work runs. Executors, one task per writer partition with input, in one stage and
 one Python worker: the write source's ``read()`` (:mod:`services.write.source`) reads the
@@ -79,8 +85,9 @@ reach the correction buffer. Failures are counted per service process.
 Micro-batch order inside a writer partition's task (all on the executor):
 
 1. load the partition's newest state version before this batch (or start it: absorb the
-   shard's snapshot, or adopt it);
-2. absorb history gaps, desired updates and progress in offset order;
+   shard's snapshot, or adopt it); re-key it if the row schema changed since it was saved;
+2. resolve the desired rows to the current row schema; absorb history gaps, desired updates
+   and progress in offset order;
 3. read the shard's head; absorb (negated) everything appended since the persist frontier;
 4. absorb descriptions; decide; stage data objects (S3); write this batch's state version;
    emit reports.
@@ -112,6 +119,7 @@ from services.sinkio import (
     KIND_CONTROL,
     KIND_GAP,
     KIND_PROGRESS,
+    KIND_UNRESOLVED,
     KIND_UPDATE,
     ControlProducer,
     ROUTED_DDL,
@@ -215,24 +223,213 @@ _CONTEXTS: dict[tuple[str, int, str], Any] = {}
 
 
 class _Context:
-    """Per executor process and sink: the shard handle and the row codec (built once)."""
+    """Per executor process and sink: the shard handle and the codecs of the collection's
+    current row schema, which it follows while the sink runs (:meth:`follow`).
+
+    Schema evolution. Row keys are canonical encodings under the *current* schema. The
+    context takes the shard's schema versions from every head it reads (at a partition's
+    start, at each read-back, and when input names a writer schema it does not know), and a
+    partition's state whose keys are in another version is re-keyed (:meth:`WriteState.rekey`)
+    before anything else touches it, so old and new keys never coexist in a decision. Desired
+    rows of any known version are resolved to the current one a table at a time
+    (:meth:`resolve_rows`); shard parts are read as the current schema
+    (:func:`shared.shard.conform_part`) but routed by their bodies as written
+    (:meth:`read_objects`), so every writer partition attributes a row of an untagged part to
+    the same partition whichever version it runs with."""
 
     def __init__(self, job: WriteJob) -> None:
-        from shared.codec import RowCodec
         from shared.shard import Shard
 
         from services.write.state_files import WriterStateFiles
 
-        from shared.avro_columns import ColumnCodec
-        from shared.codec import MARKER
-
         self.job = job
         self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
-        self.codec = RowCodec(json.loads(job.schema_json))
+        self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
+        self._columns_of: dict[bytes, Any] = {}
+        self._take(self.shard.head(max_age_s=1e9))
+
+    def _take(self, state: Any) -> None:
+        """Codecs of ``state``'s current schema, with its earlier versions as writer schemas."""
+        from shared.avro_columns import ColumnCodec
+        from shared.codec import MARKER, RowCodec
+        from shared.shard import schema_view
+
+        self.schema: dict[str, Any] = state.schema
+        self.codec = RowCodec(state.schema, previous=[v.schema for v in state.versions[:-1]])
         self.columns = ColumnCodec(self.codec.schema)
+        self.view = schema_view(self.codec.schema)
         #: The single-object header of a canonical row: the current schema's fingerprint.
         self.header = MARKER + self.codec.fingerprint
-        self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
+        #: every version's schema by its fingerprint (as a single-object header names it)
+        self.versions: dict[bytes, dict[str, Any]] = {
+            self._fingerprint(v.schema): v.schema for v in state.versions
+        }
+        self._nversions = len(state.versions)
+
+    @staticmethod
+    def _fingerprint(schema: dict[str, Any]) -> bytes:
+        from shared.codec import fingerprint
+
+        return fingerprint(schema)
+
+    def _column_codec(self, fp: bytes) -> Any:
+        from shared.avro_columns import ColumnCodec
+
+        c = self._columns_of.get(fp)
+        if c is None:
+            c = self._columns_of[fp] = ColumnCodec(self.versions[fp])
+        return c
+
+    def follow(self, ws: WriteState, state: Any = None) -> None:
+        """Take the schema versions of ``state`` (default: the cached head) and re-key ``ws`` if
+        its keys are in another version than the current one."""
+        st = state if state is not None else self.shard.head()
+        if len(st.versions) > self._nversions:  # versions only ever grow: never go back
+            self._take(st)
+            log.info("collection %s: now at row schema version %d", self.job.sink.collection_id, len(st.versions) - 1)
+        fp = self.header[2:]
+        if ws.key_schema != fp:
+            n = ws.rekey(fp, self.current_keys)
+            if n:
+                log.info("partition %d: %d buffered keys re-keyed to row schema version %d",
+                         ws.partition, n, len(self.versions) - 1)
+
+    def current_keys(self, keys: pa.Array) -> pa.Array:
+        """Canonical keys of any known version -> the same rows' canonical keys under the
+        current schema (the re-keying of a partition's state). A key that does not resolve is
+        a broken buffer: SinkProtocolError."""
+        out, errors = self.resolve_keys(keys, trust_current=True)
+        if errors:
+            why = next(iter(errors.values()))
+            raise SinkProtocolError(
+                f"expected the correction buffer to hold rows of the collection's schema versions, "
+                f"found {len(errors)} that do not resolve to the current one (the first: {why})",
+                sink_id=self.job.sink.sink_id,
+            )
+        return out
+
+    def resolve_keys(self, keys: pa.Array, *, trust_current: bool) -> tuple[pa.Array, dict[int, str]]:
+        """Single-object encoded rows of any known version -> canonical rows of the current
+        schema, a table per writer schema: decoded with that version's column codec, resolved
+        (:class:`shared.schema_evolution.Resolver`), encoded with the current one. Rows that do
+        not decode that way go through the per-row reference (fastavro's resolution). Returns
+        the keys (null where a row failed) and ``{index: reason}`` of the failures.
+        ``trust_current``: rows with the current header are canonical already (else they are
+        canonicalised too)."""
+        import pyarrow.compute as pc
+
+        from shared.errors import DecodeError
+
+        keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+        if keys.type != pa.binary():
+            keys = keys.cast(pa.binary())
+        n = len(keys)
+        heads = pc.binary_slice(keys, 0, 10)
+        current = pc.fill_null(pc.equal(heads, pa.scalar(self.header, pa.binary())), False).to_numpy(zero_copy_only=False)
+        if trust_current and current.all():
+            return keys, {}
+        todo = np.flatnonzero(~current) if trust_current else np.arange(n)
+        errors: dict[int, str] = {}
+        pieces: list[tuple[np.ndarray, pa.Array]] = []
+        if trust_current:
+            pieces.append((np.flatnonzero(current), keys.filter(pa.array(current))))
+        sub_heads = heads.take(pa.array(todo))
+        for h in pc.unique(sub_heads).to_pylist():
+            idx = todo[pc.fill_null(pc.equal(sub_heads, pa.scalar(h, pa.binary())), False).to_numpy(zero_copy_only=False)] \
+                if h is not None else todo[sub_heads.is_null().to_numpy(zero_copy_only=False)]
+            fp = bytes(h[2:]) if h is not None and len(h) == 10 and h[:2] == self.header[:2] else None
+            if fp is None or fp not in self.versions:
+                why = (f"expected a row written with a schema version of collection "
+                       f"{self.job.sink.collection_id!r} (fingerprints {sorted(f.hex() for f in self.versions)}), "
+                       f"found " + ("no single-object header" if fp is None else f"fingerprint {fp.hex()}"))
+                errors.update((int(i), why) for i in idx)
+                continue
+            sub = keys.take(pa.array(idx))
+            decoded = self._column_codec(fp).decode(sub, skip=10)
+            good = idx[decoded.ok]
+            if len(good):
+                resolved = self.view.resolver.resolve(decoded.table)
+                bodies = self.columns.encode(resolved)
+                pieces.append((good, pc.binary_join_element_wise(
+                    pa.scalar(self.header, pa.binary()), bodies, pa.scalar(b"", pa.binary()))))
+            slow = idx[~decoded.ok]
+            if len(slow):
+                ks, ok_idx = [], []
+                for i in slow.tolist():
+                    try:
+                        ks.append(self.codec.canonical(keys[i].as_py()))
+                        ok_idx.append(i)
+                    except DecodeError as e:
+                        errors[i] = str(e)
+                if ok_idx:
+                    pieces.append((np.array(ok_idx, np.int64), pa.array(ks, pa.binary())))
+        pos = np.full(n, -1, np.int64)
+        arrays: list[pa.Array] = []
+        base = 0
+        for idx, vals in pieces:
+            pos[idx] = base + np.arange(len(idx))
+            arrays.append(vals)
+            base += len(idx)
+        arrays.append(pa.nulls(1, pa.binary()))
+        pos[pos < 0] = base
+        return pa.concat_arrays(arrays).take(pa.array(pos)), errors
+
+    def resolve_rows(self, table: pa.Table, desired_topic: str) -> pa.Table:
+        """The desired updates of ``table`` (decoded input, :data:`services.sinkio.ROUTED_SCHEMA`)
+        with every row canonical under the current schema: rows the decoder canonicalised under
+        another version, and ``unresolved`` rows (a writer schema the decoder did not know), are
+        resolved; a row whose writer schema is no version of the collection (even after reading
+        the shard's head again: the alter may have just landed) or that does not decode becomes
+        a ``bad`` record at its time and diff, naming its offset and the reason."""
+        import pyarrow.compute as pc
+
+        from services.sinkio import KIND_BAD, KIND_UNRESOLVED
+
+        if table.num_rows == 0:
+            return table
+        kind = table["kind"]
+        desired = pc.equal(table["topic"], desired_topic)
+        is_update = pc.fill_null(pc.and_(desired, pc.equal(kind, KIND_UPDATE)), False)
+        unresolved = pc.fill_null(pc.and_(desired, pc.equal(kind, KIND_UNRESOLVED)), False)
+        rows_all = table["row"].combine_chunks()
+        heads = pc.binary_slice(rows_all, 0, 10)
+        seen = pc.unique(heads.filter(pc.or_(is_update, unresolved))).to_pylist()
+        fps = {bytes(h[2:]) for h in seen if h is not None and len(h) == 10}
+        if not fps <= set(self.versions):
+            self._take(self.shard.refresh())  # an alter may have landed since this context read the head
+        other = pc.and_(is_update, pc.fill_null(pc.not_equal(heads, pa.scalar(self.header, pa.binary())), True))
+        todo_mask = pc.or_(unresolved, other).to_numpy(zero_copy_only=False)
+        if not todo_mask.any():
+            return table
+        todo = np.flatnonzero(todo_mask)
+        rows = rows_all.take(pa.array(todo))
+        trusted = is_update.to_numpy(zero_copy_only=False)[todo]
+        new_rows = rows
+        errors: dict[int, str] = {}
+        for flag in (True, False):
+            sel = np.flatnonzero(trusted == flag)
+            if not len(sel):
+                continue
+            out, errs = self.resolve_keys(rows.take(pa.array(sel)), trust_current=bool(flag))
+            new_rows = _put(new_rows, sel, out)
+            errors.update((int(sel[i]), why) for i, why in errs.items())
+        kinds = pc.if_else(pa.array(todo_mask), pa.scalar(KIND_UPDATE), kind)
+        error_col = table["error"].combine_chunks()
+        if errors:
+            bad = np.array(sorted(todo[j] for j in errors), np.int64)
+            part, off = table["partition"], table["offset"]
+            texts = pa.array([
+                f"row does not match the collection schema at {desired_topic}/{part[int(todo[j])].as_py()}@"
+                f"{off[int(todo[j])].as_py()}: {errors[j]}"
+                for j in sorted(errors, key=lambda j: todo[j])
+            ], pa.string())
+            kinds = _put(kinds.combine_chunks() if isinstance(kinds, pa.ChunkedArray) else kinds, bad,
+                         pa.array([KIND_BAD] * len(bad), pa.string()))
+            error_col = _put(error_col, bad, texts)
+        full_rows = _put(rows_all, todo, new_rows)
+        out_table = table.set_column(table.schema.get_field_index("row"), "row", full_rows)
+        out_table = out_table.set_column(out_table.schema.get_field_index("kind"), "kind", kinds)
+        return out_table.set_column(out_table.schema.get_field_index("error"), "error", error_col)
 
     @staticmethod
     def of(job: WriteJob) -> _Context:
@@ -274,7 +471,7 @@ class _Context:
         if data.num_rows == 0:
             return out
         try:
-            bodies = self.columns.encode(data.select(self.shard.row_columns))
+            bodies = self.columns.encode(data.select(self.view.row_columns))
         except EncodeError as e:
             log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e)
             return out.plus(self._keys_row_by_row(data, wp, routed=routed))
@@ -295,7 +492,7 @@ class _Context:
         keys: list[bytes] = []
         times: list[int] = []
         diffs: list[int] = []
-        rows = arrow_to_rows(table.select(self.shard.row_columns), self.codec.schema)
+        rows = arrow_to_rows(table.select(self.view.row_columns), self.codec.schema)
         for row, t, d in zip(rows, table[TIME].to_pylist(), table[DIFF].to_pylist(), strict=True):
             try:
                 key = self.codec.encode(row)
@@ -308,10 +505,11 @@ class _Context:
                 diffs.append(d)
         return Rows.of(pa.array(keys, pa.binary()), times, diffs, pa.array([], pa.binary()), [], [])
 
-    def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier) -> Rows:
-        """Rows of ``ws``'s partition in the given objects with ``lower <= time < upper``:
-        own staged objects from the state, objects tagged for other partitions skipped, the
-        rest read and routed."""
+    def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier, state: Any = None) -> Rows:
+        """Rows of ``ws``'s partition in the given objects with ``lower <= time < upper``, in the
+        current schema: own staged objects from the state, objects tagged for other partitions
+        skipped, the rest read and routed (by the row hash of each row's body as its part was
+        written, a function of the part alone). ``state``: the head the keys come from."""
         import pyarrow.compute as pc
 
         from shared.shard import TIME
@@ -332,10 +530,7 @@ class _Context:
                     routed.append(k)
                 continue  # another partition's rows
             unrouted.append(k)
-        for ks, is_routed in ((routed, True), (unrouted, False)):
-            if not ks:
-                continue
-            table = self.shard.read_parts(ks)
+        def in_range(table: pa.Table) -> pa.Table:
             if table.num_rows and (lower is not None or upper.time is not None):
                 mask = None
                 if lower is not None:
@@ -344,20 +539,71 @@ class _Context:
                     m2 = pc.less(table[TIME], pa.scalar(upper.time, pa.uint64()))
                     mask = m2 if mask is None else pc.and_(mask, m2)
                 table = table.filter(mask)
-            out = out.plus(self.keys_of(table, wp, routed=is_routed))
+            return table
+
+        if routed:
+            out = out.plus(self.keys_of(in_range(self.shard.read_parts(routed, schema=self.schema)), wp, routed=True))
+        if unrouted:
+            from shared.shard import conform_part
+
+            for written, table in self.shard.read_parts_as_written(unrouted, state):
+                if written == self.schema:  # encoded once, routed by the same bodies
+                    out = out.plus(self.keys_of(in_range(table), wp, routed=False))
+                    continue
+                mine = self._route(written, in_range(table), wp)
+                out = out.plus(self.keys_of(conform_part(mine, self.view), wp, routed=True))
         return out
+
+    def _route(self, schema: dict[str, Any], table: pa.Table, wp: int) -> pa.Table:
+        """The rows of ``table`` (a part as written, in ``schema``'s part schema) that belong to
+        writer partition ``wp``: data rows by the row hash of their body in ``schema``, error
+        rows by their text. A row no row of ``schema`` can hold is left out (with a warning)."""
+        from shared.avro_arrow import arrow_to_rows
+        from shared.codec import RowCodec
+        from shared.desired import row_partition
+        from shared.errors import EncodeError
+        from shared.shard import ERROR, schema_view
+
+        n = self.job.partitions
+        if table.num_rows == 0:
+            return table
+        is_err = table[ERROR].is_valid().to_numpy(zero_copy_only=False)
+        keep = np.zeros(table.num_rows, bool)
+        if is_err.any():
+            errs = table[ERROR].to_pylist()
+            for i in np.flatnonzero(is_err).tolist():
+                keep[i] = error_partition(errs[i], n) == wp
+        di = np.flatnonzero(~is_err)
+        if len(di):
+            data = table.take(pa.array(di)).select(schema_view(schema).row_columns)
+            fp = self._fingerprint(schema)
+            try:
+                bodies = (self._column_codec(fp) if fp in self.versions else _column_codec_of(schema)).encode(data).to_pylist()
+            except EncodeError as e:
+                log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e)
+                codec = RowCodec(schema)
+                bodies = []
+                for row in arrow_to_rows(data, schema):
+                    try:
+                        bodies.append(codec.encode_body(row))
+                    except ShardsinkError as e2:
+                        log.warning("skipping a shard row that does not encode: %s", e2)
+                        bodies.append(None)
+            keep[di] = [b is not None and row_partition(b, n) == wp for b in bodies]
+        return table.filter(pa.array(keep))
 
     # -- steps -------------------------------------------------------------------------------
     def start(self, ws: WriteState) -> None:
         """A partition's first start: absorb the shard's contents negated, or adopt them."""
         state = self.shard.refresh()
+        self.follow(ws, state)
         upper = state.upper
         if self.job.sink.adopt_shard:
             ws.adopt_baseline(upper)
             log.info("partition %d adopted the shard's contents below %s as its baseline", ws.partition, upper)
             return
         keys = [p.key for b in state.batches for p in b.parts] if upper.time != 0 else []
-        r = self.read_objects(ws, keys, None, upper)
+        r = self.read_objects(ws, keys, None, upper, state)
         ws.absorb_persist_snapshot(
             upper, r.keys, r.times, r.diffs, error_keys=r.error_keys, error_times=r.error_times,
             error_diffs=r.error_diffs,
@@ -369,10 +615,11 @@ class _Context:
         if persist.time is None:
             return
         state = self.shard.refresh()
+        self.follow(ws, state)
         if not persist.less_than(state.upper):
             return
         keys = [p.key for b in state.batches if not b.upper.less_equal(persist) for p in b.parts]
-        r = self.read_objects(ws, keys, persist.time, state.upper)
+        r = self.read_objects(ws, keys, persist.time, state.upper, state)
         ws.absorb_persist_batch(
             persist, state.upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
             error_times=r.error_times, error_diffs=r.error_diffs,
@@ -399,20 +646,41 @@ class _Context:
             body = body.append_column(TIME, pa.array(upd.times, pa.uint64()))
             body = body.append_column(DIFF, pa.array(upd.diffs, pa.int64()))
             body = body.append_column(ERROR, pa.nulls(len(upd), pa.string()))
-            parts.append(shard.to_table(body))
+            parts.append(shard.to_table(body, schema=self.schema))
         if len(errs):
             etab = pa.table(
                 {
-                    **{f.name: pa.nulls(len(errs), f.type) for f in shard.row_schema},
+                    **{f.name: pa.nulls(len(errs), f.type) for f in self.view.row_schema},
                     TIME: pa.array(errs.times, pa.uint64()),
                     DIFF: pa.array(errs.diffs, pa.int64()),
                     ERROR: _error_texts(errs.keys),
                 }
             )
-            parts.append(shard.to_table(etab))
-        staged = shard.stage(pa.concat_tables(parts), tag=f"w{ws.partition}of{self.job.partitions}")
+            parts.append(shard.to_table(etab, schema=self.schema))
+        staged = shard.stage(pa.concat_tables(parts), tag=f"w{ws.partition}of{self.job.partitions}", schema=self.schema)
         ws.remember_staged(decision.desc, [p.key for p in staged.parts], decision)
         return json.dumps(staged.to_json(), sort_keys=True)
+
+
+def _put(values: pa.Array, idx: np.ndarray, new: pa.Array) -> pa.Array:
+    """``values`` with the elements at ``idx`` (increasing) replaced by ``new``, in order."""
+    if not len(idx):
+        return values
+    pos = np.arange(len(values), dtype=np.int64)
+    pos[idx] = len(values) + np.arange(len(idx))
+    return pa.concat_arrays([values, new.cast(values.type)]).take(pa.array(pos))
+
+
+_COLUMN_CODECS: dict[str, Any] = {}
+
+
+def _column_codec_of(schema: dict[str, Any]) -> Any:
+    from shared.avro_columns import ColumnCodec
+
+    k = json.dumps(schema, sort_keys=True)
+    if k not in _COLUMN_CODECS:
+        _COLUMN_CODECS[k] = ColumnCodec(schema)
+    return _COLUMN_CODECS[k]
 
 
 def _error_texts(keys: pa.Array) -> pa.Array:
@@ -467,6 +735,12 @@ def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
                 d = table["diff"][i].as_py()
                 ws.absorb_desired_error(table["error"][i].as_py() or "bad desired message", at.time, d if d is not None else 1)
                 bad += 1
+        elif k == KIND_UNRESOLVED:  # never met after _Context.resolve_rows; an error row, never dropped
+            d = table["diff"][i].as_py()
+            ws.absorb_desired_error(f"a row of an unresolved writer schema at {desired_topic}/"
+                                    f"{table['partition'][i].as_py()}@{table['offset'][i].as_py()}",
+                                    u64(table["time"][i].as_py()) or 0, d if d is not None else 1)
+            bad += 1
     run(pos, table.num_rows)
     return bad
 
@@ -495,6 +769,7 @@ def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) ->
                 f"`shardsink sink adopt {job.sink.sink_id}` to start a new checkpoint",
                 sink_id=job.sink.sink_id,
             )
+        ctx.follow(ws)  # keys of a state saved under an earlier schema version: re-keyed first
     else:
         ws = WriteState(job.sink.sink_id, wp, job.partitions)
         ctx.start(ws)
@@ -508,6 +783,9 @@ def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) ->
     if table is not None and table.num_rows:
         table = table.sort_by([("offset", "ascending")])
         desired = table.filter(pc.equal(table["topic"], job.sink.desired_topic))
+        desired = ctx.resolve_rows(desired, job.sink.desired_topic)
+        if ctx.header[2:] != ws.key_schema:
+            ctx.follow(ws, ctx.shard.head(max_age_s=1e9))  # resolving found a newer schema version
         absorb_input(ws, desired, job.sink.desired_topic)
         control = table.filter(pc.equal(table["topic"], job.descs_topic))
         desc_codec = message_codec("batch_description")

@@ -11,6 +11,7 @@ recorded), else the catalog.
 
     shardsink collection create orders --schema orders.avsc [--since 0] [--read-policy lag:1000]
     shardsink collection alter orders --read-policy lag:3600000:60000
+    shardsink collection alter orders --schema orders-v2.avsc    # a compatible new row schema
     shardsink collection drop orders
     shardsink collection list                       # direct catalog/shard reads
     shardsink sink create orders-sink --topic orders-desired --collection orders [--read-only]
@@ -58,10 +59,13 @@ def register(sub: Any) -> None:
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_collection_create)
-    p = csub.add_parser("alter", help="change a collection's read policy",
-                        description="Change a collection's read policy.\n\n" + _POLICIES, formatter_class=fmt)
+    p = csub.add_parser("alter", help="change a collection's read policy or row schema",
+                        description="Change a collection's read policy, or its row schema.\n\n" + _POLICIES
+                        + "\n\n" + _EVOLUTION, formatter_class=fmt)
     p.add_argument("collection_id", help="the collection")
-    p.add_argument("--read-policy", required=True, help="valid-from:T | lag:L[:G] | A,B")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--read-policy", help="valid-from:T | lag:L[:G] | A,B")
+    what.add_argument("--schema", help="the new Avro record schema of the rows (.avsc): a compatible evolution")
     add_via(p)
     add_connection_args(p)
     p.set_defaults(func=_collection_alter)
@@ -136,6 +140,16 @@ _POLICIES = """\
 Read policies (--read-policy): valid-from:T holds since at T (valid-from:closed lets it
 go); lag:L[:G] lets since follow the upper L behind, rounded down to multiples of G
 (default L); several joined by , take the least of them."""
+
+
+_EVOLUTION = """\
+A new row schema (--schema) is accepted when rows of every earlier version read as it
+(Avro's schema resolution): fields added with a default, fields that had a default removed,
+a field made nullable, promotions (int to long, float or double; long to float or double;
+float to double; string to bytes), enum symbols added (or removed when the enum has a
+default), renames through aliases. Anything else is refused (IncompatibleSchemaError naming
+the field and the rule) and the collection is unchanged. Readers see every row, old ones
+included, in the new schema; a running sink follows the change without a restart."""
 
 
 def parse_read_policy(text: str) -> Any:
@@ -224,7 +238,32 @@ def _collection_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def alter_collection_schema(settings: Any, collection_id: str, schema: dict[str, Any]) -> Any:
+    """The catalog path of ``AlterCollection``: the shard first (it checks the evolution against
+    every version and records the new one; an incompatible schema changes nothing), then the
+    catalog follows. Returns the shard's state."""
+    from shared.shard import Shard
+
+    settings.catalog().state().collection(collection_id)  # an unknown or dropped id: its typed error first
+    state = Shard.open(settings.store(), collection_id).alter_schema(schema)
+    settings.catalog().alter_collection_schema(collection_id, state.schema)
+    return state
+
+
 def _collection_alter(args: argparse.Namespace) -> int:
+    if args.schema is not None:
+        from shardsink.cli.common import load_schema
+
+        schema = load_schema(args.schema)
+        if _via_controller(args):
+            r = _call(args, "AlterCollection", {"collection_id": args.collection_id, "row_schema": json.dumps(schema)})
+            print_json({"altered": args.collection_id, "schema_version": r.get("schema_version"),
+                        "from_upper": r.get("from_upper")})
+            return 0
+        state = alter_collection_schema(_settings(args), args.collection_id, schema)
+        print_json({"altered": args.collection_id, "schema_version": len(state.versions) - 1,
+                    "from_upper": state.versions[-1].from_upper.to_json()})
+        return 0
     policy = parse_read_policy(args.read_policy)
     if _via_controller(args):
         _call(args, "SetReadPolicy", {"collection_id": args.collection_id, "policy": policy_to_avro(policy)})

@@ -61,7 +61,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from shared.avro_arrow import avro_to_arrow_schema
 from shared.errors import InvalidUsageError
 from shared.io.s3 import S3ObjectStore, S3Settings
-from shared.shard import DIFF, ERROR, TIME, Shard, consolidate
+from shared.shard import DIFF, ERROR, TIME, SchemaView, Shard, conform_part, consolidate, schema_view
 
 SOURCE_NAME = "shardsink"
 MAX_DEFAULT_PARTITIONS = 64
@@ -193,14 +193,18 @@ def _contribution(col: pa.ChunkedArray) -> np.ndarray:
 
 def read_bucket(
     store: Any, keys: Sequence[str], schema: pa.Schema, as_of: int, skip_time_filter: bool,
-    bucket: int, buckets: int, include_errors: bool, io_threads: int = 8,
+    bucket: int, buckets: int, include_errors: bool, io_threads: int = 8, view: SchemaView | None = None,
 ) -> pa.Table:
     """The consolidated contents at ``as_of`` of one bucket: read part by part, keep the
-    bucket's rows at or before ``as_of``, consolidate over the row columns and ``_error``."""
+    bucket's rows at or before ``as_of``, consolidate over the row columns and ``_error``.
+    ``view``: the collection's current row schema; parts written under an earlier version are
+    read as it (:func:`shared.shard.conform_part`) before they are bucketed."""
     row_cols = [n for n in schema.names if n not in (TIME, DIFF, ERROR)]
 
     def one(key: str) -> pa.Table:
         t = pq.read_table(io.BytesIO(store.get(key)))
+        if view is not None:
+            t = conform_part(t, view)
         t = t if t.schema.equals(schema) else t.cast(schema)
         if not skip_time_filter:
             t = t.filter(pc.less_equal(t[TIME], pa.scalar(as_of, pa.uint64())))
@@ -236,7 +240,9 @@ class ShardsinkBatchReader(DataSourceReader):
         self.options = options
         shard = Shard(S3ObjectStore(options.s3), options.collection_id)
         self.plan = plan_read(shard, options.as_of, options.num_partitions)
-        self.part_schema = shard.part_schema
+        #: the row schema of the planned head: every part is read as it
+        self.row_schema = shard.head(max_age_s=1e9).schema
+        self.part_schema = shard.view(self.row_schema).part_schema
 
     def partitions(self) -> Sequence[InputPartition]:
         return [BucketPartition(i) for i in range(self.plan.buckets)]
@@ -249,7 +255,7 @@ class ShardsinkBatchReader(DataSourceReader):
         p = self.plan
         table = read_bucket(
             S3ObjectStore(self.options.s3), p.keys, self.part_schema, p.as_of, p.skip_time_filter,
-            partition.bucket, p.buckets, self.options.include_errors,
+            partition.bucket, p.buckets, self.options.include_errors, view=schema_view(self.row_schema),
         )
         nullable = pa.schema([f.with_nullable(True) for f in table.schema])  # as spark_schema says
         yield from table.cast(nullable).to_batches()
