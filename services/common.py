@@ -389,7 +389,14 @@ def spark_session(settings: ServiceSettings, app_name: str) -> Any:
             # In local mode everything is on this machine: bind to loopback, without Spark's
             # warning that the hostname resolves to it.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    spark = with_service_defaults(builder).getOrCreate()
+    import contextlib
+
+    from services.jvm import jvm_stderr_filtered
+
+    # The JVM we launch writes its stderr without the JDK's incubator-module notice (jvm.py).
+    launching = not os.environ.get("PYSPARK_GATEWAY_PORT")
+    with jvm_stderr_filtered() if launching else contextlib.nullcontext():
+        spark = with_service_defaults(builder).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     from shared.io.spark_kafka import register_kafka_source
 
