@@ -132,7 +132,9 @@ def test_cli_end_to_end_create_append_peek_tail_status_drop(
                          "--chunk-rows", "4")
     assert code == 0, err
     summary = json.loads(out)
-    assert summary["updates"] == len(ups) and summary["upper"] == 4 and summary["appends"] >= 3, summary
+    # More updates than --chunk-rows: staged in data objects of 4 updates, appended by one command.
+    assert summary == {"collection": "cli1", "updates": len(ups), "appends": 1, "staged_parts": 4, "upper": 4}, summary
+    assert len(Shard(cs.service.store(), "cli1").refresh().batches) == 1
 
     # Peek as a table, for every readable time.
     for as_of in range(4):

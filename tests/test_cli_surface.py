@@ -234,6 +234,157 @@ def test_produce_to_a_missing_topic_and_from_a_missing_file_is_one_line(
 
 
 # ==================================================================================================
+# 1: append is all or nothing, also for an input of several staged chunks
+# ==================================================================================================
+def _data_objects(cs: ControllerSettings, cid: str) -> list[str]:
+    from shared.shard import Shard
+
+    return sorted(k for k in Shard.open(cs.service.store(), cid).list_objects() if "/data/" in k)
+
+
+def _contents(cs: ControllerSettings, cid: str) -> tuple[Any, list[tuple[Any, ...]]]:
+    """The collection's upper and its consolidated rows at upper - 1 (if readable)."""
+    from shared.shard import Shard
+
+    shard = Shard.open(cs.service.store(), cid)
+    st = shard.refresh()
+    if st.upper.time in (None, 0):
+        return st.upper.time, []
+    snap = shard.snapshot(st.upper.time - 1)
+    return st.upper.time, sorted(zip(snap["k"].to_pylist(), snap["v"].to_pylist(), snap["_diff"].to_pylist(), strict=True))
+
+
+def test_an_append_of_several_chunks_lands_whole_or_not_at_all(
+    env: ControllerSettings, ctl: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shared.shard import Shard
+    from tests.controller_fixture import append_body, ok
+
+    _, client, cs = ctl
+    cid = f"whole{uuid.uuid4().hex[:6]}"
+    assert run(capsys, "collection", "create", cid, "--schema", _schema_file(tmp_path))[0] == 0
+    ok(client.call("Append", append_body(cid, [({"k": 0, "v": "seed"}, 0, 1)], 1)))
+    before = _contents(env, cid)
+    objects = _data_objects(env, cid)
+    # 10 updates at times 2..6 with a progress line in the middle, in chunks of 3: 4 staged objects.
+    lines = [{"row": {"k": i, "v": f"v{i}"}, "time": 2 + i // 2} for i in range(6)] + [{"progress": 5}]
+    lines += [{"row": {"k": i, "v": f"v{i}"}, "time": 2 + i // 2} for i in range(6, 10)]
+    data = _lines(tmp_path / "ten.jsonl", *lines)
+    argv = ["append", cid, "--input", data, "--chunk-rows", "3", "--advance-to", "9"]
+
+    # Interrupted while staging the third chunk: exit 130, nothing appended, nothing left.
+    real_stage = Shard.stage
+    calls: list[int] = []
+
+    def interrupted(self: Shard, *a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_stage(self, *a, **kw)
+
+    monkeypatch.setattr(Shard, "stage", interrupted)
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (130, "", f"interrupted; nothing was appended to {cid!r}\n")
+    assert (_contents(env, cid), _data_objects(env, cid)) == (before, objects)
+
+    # Another writer moves the upper (1 -> 2) after the check, while the chunks are staged: the
+    # one command is refused as a whole, and the staged objects go.
+    calls.clear()
+
+    def raced(self: Shard, *a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            ok(client.call("Append", append_body(cid, [({"k": 99, "v": "other"}, 1, 1)], 2)))
+        return real_stage(self, *a, **kw)
+
+    monkeypatch.setattr(Shard, "stage", raced)
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    _one_error(err, "error: UpperMismatchError: ")
+    assert err.endswith(f"; nothing was appended to {cid!r}\n"), err
+    raced_state = _contents(env, cid)
+    assert raced_state == (2, [(0, "seed", 1), (99, "other", 1)])
+    left = set(_data_objects(env, cid)) - set(objects)
+    assert len(left) == 1, left  # the other writer's one batch; none of the four staged objects
+
+    # Unhindered: the input lands once, as one batch with the four objects, at the final upper.
+    monkeypatch.setattr(Shard, "stage", real_stage)
+    shard = Shard.open(env.service.store(), cid)
+    batches = len(shard.refresh().batches)
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out) == {"collection": cid, "updates": 10, "appends": 1, "staged_parts": 4, "upper": 9}
+    state = shard.refresh()
+    assert len(state.batches) == batches + 1 and len(state.batches[-1].parts) == 4
+    assert _contents(env, cid) == (9, sorted([(0, "seed", 1), (99, "other", 1)] + [(i, f"v{i}", 1) for i in range(10)]))
+    # Run again: every time is now below the upper, refused before anything is staged.
+    objects = _data_objects(env, cid)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.startswith("error: ContractViolationError: ") and "nothing was appended" in err, err
+    assert _data_objects(env, cid) == objects
+
+    # A sink defined on the collection: the controller refuses the command; the staged objects go.
+    assert run(capsys, "sink", "create", f"{cid}-sink", "--topic", f"{cid}-desired", "--collection", cid)[0] == 0
+    more = _lines(tmp_path / "more.jsonl", *[{"row": {"k": 20 + i, "v": "x"}, "time": 9} for i in range(7)])
+    code, out, err = run(capsys, "append", cid, "--input", more, "--chunk-rows", "3")
+    assert (code, out) == (2, "")
+    _one_error(err, "error: InvalidUsageError: expected no sink on collection")
+    assert err.endswith("; nothing was appended\n") and err.count("nothing was appended") == 1, err
+    assert (_contents(env, cid)[0], _data_objects(env, cid)) == (9, objects)
+
+
+def test_the_controller_checks_the_data_objects_an_append_names(
+    env: ControllerSettings, ctl: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What a client staged is checked before anything references it: under the shard's
+    data/, not yet in the shard, present, in the part schema, without error rows."""
+    import pyarrow as pa
+
+    from shared.shard import Shard
+    from tests.controller_fixture import error_kind_of, ok
+
+    _, client, cs = ctl
+    cid = f"staged{uuid.uuid4().hex[:6]}"
+    assert run(capsys, "collection", "create", cid, "--schema", _schema_file(tmp_path))[0] == 0
+    shard = Shard.open(cs.service.store(), cid)
+    good = shard.stage([({"k": 1, "v": "a"}, 0, 1), ({"k": 2, "v": "b"}, 1, 1)])
+    errs = shard.stage([(None, 0, 1, "a bad update")])
+    wrong = f"{shard.prefix}data/wrong.parquet"
+    import io as _io
+
+    import pyarrow.parquet as pq
+
+    buf = _io.BytesIO()
+    pq.write_table(pa.table({"k": pa.array(["x"]), "_time": pa.array([0], pa.uint64())}), buf)
+    cs.service.store().put(wrong, buf.getvalue())
+
+    def append(keys: list[str], new_upper: int = 2) -> dict[str, Any]:
+        return client.call("Append", {"collection_id": cid, "updates": [], "expected_upper": 0,
+                                      "new_upper": new_upper, "staged_parts": keys})
+
+    cases = [
+        (["shards/elsewhere/data/x.parquet"], "InvalidUsage", "expected staged data objects under"),
+        ([f"{shard.prefix}data/missing.parquet"], "InvalidUsage", "found none (never staged"),
+        ([good.parts[0].key, good.parts[0].key], "InvalidUsage", "expected distinct staged data objects"),
+        ([errs.parts[0].key], "InvalidUsage", "no error rows"),
+        ([wrong], "SchemaError", "expected the part schema"),
+    ]
+    for keys, kind, text in cases:
+        r = append(keys)
+        assert error_kind_of(r) == kind and text in r["body"][1]["message"], r
+    r = append([good.parts[0].key], new_upper=1)  # a time (1) at the new upper
+    assert error_kind_of(r) == "InvalidUsage", r
+    assert shard.refresh().upper.time == 0
+    ok(append([good.parts[0].key]))
+    st = shard.refresh()
+    assert st.upper.time == 2 and [p.key for b in st.batches for p in b.parts] == [good.parts[0].key]
+    r = client.call("Append", {"collection_id": cid, "updates": [], "expected_upper": 2, "new_upper": 3,
+                               "staged_parts": [good.parts[0].key]})  # appended already
+    assert error_kind_of(r) == "InvalidUsage" and "no batch holds yet" in r["body"][1]["message"], r
+    assert shard.refresh().upper.time == 2
+
+
+# ==================================================================================================
 # 5: make up on busy ports
 # ==================================================================================================
 def test_up_refuses_a_busy_port_in_one_line_and_prints_no_environment(stack: EmbeddedStack) -> None:

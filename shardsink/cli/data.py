@@ -11,9 +11,11 @@
     shardsink status                                          # every collection
 
 ``append`` sends the controller's ``Append`` command (a table write that commits iff the
-upper is where the previous chunk left it): the updates of the input (JSON lines or CSV, as
-for ``produce``) up to each progress line (``--advance-to`` after the last one; without
-either, the upper goes to the largest time + 1), split into chunks of ``--chunk-rows``.
+upper is the one the input was checked against) with the whole input (JSON lines or CSV, as
+for ``produce``); the upper goes to ``--advance-to``, else past the largest time after the
+last progress line, else to the last progress line. An input of more than ``--chunk-rows``
+updates is staged first as data objects of the shard (``--chunk-rows`` updates each), which
+the one command names: it lands whole or not at all, and a failed append deletes them.
 
 ``peek`` sends ``Peek`` and prints the (row, count) pairs it answers, inline or from the
 S3 Parquet object the answer names. ``tail`` sends ``Subscribe`` with a fresh output topic
@@ -39,7 +41,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import IO, Any
 
 import pyarrow as pa
@@ -53,7 +55,7 @@ from shardsink.cli.common import (
     row_codec,
     settings,
 )
-from shared.errors import InvalidUsageError
+from shared.errors import CommandError, InvalidUsageError
 
 
 def register(sub: Any) -> None:
@@ -64,7 +66,7 @@ def register(sub: Any) -> None:
                        description=_APPEND, formatter_class=fmt)
     p.add_argument("collection_id", help="the collection to append to")
     add_input_args(p)
-    p.add_argument("--chunk-rows", type=int, default=5000, help="updates per Append command (default 5000)")
+    p.add_argument("--chunk-rows", type=int, default=5000, help="updates sent inline in the command; a larger input is staged in data objects of this many (default 5000)")
     add_connection_args(p)
     p.set_defaults(func=_append)
 
@@ -104,11 +106,14 @@ def register(sub: Any) -> None:
 _APPEND = """\
 Append updates to a collection with the controller's Append command (table writes, no sink).
 
-The input is JSON lines or CSV, as for produce. The updates up to each progress line
-(--advance-to after the last one; without either, the upper goes to the largest time + 1)
-are sent in chunks of --chunk-rows, each committed iff the upper is where the previous
-chunk left it. All or nothing on the CLI's side: the whole input is checked (JSON, schema,
-times not below the collection's upper) before anything is sent."""
+The input is JSON lines or CSV, as for produce. The upper goes to --advance-to, else past
+the largest time after the last progress line, else to the last progress line.
+
+All or nothing: the whole input is checked first (JSON, schema, times not below the
+collection's upper), then committed as one batch, iff the upper is still the one checked.
+An input of more than --chunk-rows updates is staged first as data objects of the
+collection (--chunk-rows updates each) that one command appends; when the append fails
+or is interrupted they are deleted, and nothing is appended."""
 
 _PEEK = """\
 Print a collection's (row, count) pairs as of a time, sorted by row, as a table, CSV or
@@ -137,81 +142,144 @@ compared with the wall clock: times are the producer's, not necessarily millisec
 # ==================================================================================================
 # append
 # ==================================================================================================
-def chunk_updates(
-    updates: Sequence[tuple[Any, int, int]], new_upper: int | None, chunk_rows: int
-) -> Iterator[tuple[list[tuple[Any, int, int]], int | None]]:
-    """Updates sorted by time in chunks of about ``chunk_rows`` cut at time boundaries, each
-    with the upper after it (the next chunk's first time; ``new_upper`` after the last)."""
-    ordered = sorted(updates, key=lambda u: u[1])
-    chunks: list[list[tuple[Any, int, int]]] = []
-    cur: list[tuple[Any, int, int]] = []
-    for u in ordered:
-        if len(cur) >= chunk_rows and u[1] != cur[-1][1]:
-            chunks.append(cur)
-            cur = []
-        cur.append(u)
-    chunks.append(cur)
-    for i, c in enumerate(chunks):
-        yield c, (chunks[i + 1][0][1] if i + 1 < len(chunks) else new_upper)
+class _Final:
+    """Pass 2's view of where the input leaves the upper: ``--advance-to``; else the largest
+    time after the last progress line + 1; else the last progress line; else unchanged."""
+
+    def __init__(self) -> None:
+        self.progress_seen = False
+        self.progress: int | None = None
+        self.trailing_max: int | None = None
+
+    def update(self, t: int) -> None:
+        self.trailing_max = t if self.trailing_max is None else max(self.trailing_max, t)
+
+    def advance(self, t: int | None) -> None:
+        self.progress_seen, self.progress, self.trailing_max = True, t, None
+
+    def upper(self, advance: bool, advance_to: int | None) -> tuple[bool, int | None]:
+        """``(changes, new upper)``: whether the input moves the upper, and to what (None:
+        closed)."""
+        if advance:
+            return True, advance_to
+        if self.trailing_max is not None:
+            return True, self.trailing_max + 1
+        return self.progress_seen, self.progress
 
 
 def _append(args: argparse.Namespace) -> int:
-    """Two passes over the input: check all of it, then send it in chunks."""
+    """Two passes over the input: check all of it, then send it as one ``Append``: inline when
+    it fits one command (``--chunk-rows``), else staged first as data objects of the shard,
+    ``--chunk-rows`` updates each, and named in the command. The controller commits them as
+    one batch, so the input lands whole or not at all; when the append fails (refused,
+    interrupted, a staging error) the staged objects are deleted again, and the error says
+    nothing was appended. Only an answer that never came leaves the outcome open: the objects
+    are then either appended or collected after the grace period."""
     import contextlib
 
     from shardsink.cli.produce import check_input, encode_row, open_input, parse_advance, read_numbered
-    from shared.errors import ContractViolationError, EncodeError
-    from shared.shard import Shard
+    from shared.errors import ContractViolationError, EncodeError, ShardsinkError
+    from shared.shard import Shard, StagedBatch
 
     if args.chunk_rows < 1:
         raise InvalidUsageError(f"expected --chunk-rows >= 1, found {args.chunk_rows}")
     s = settings(args)
-    codec = row_codec(s, args.collection_id)
+    cid = args.collection_id
+    codec = row_codec(s, cid)
     schema = json.dumps(codec.schema)
     advance, advance_to = parse_advance(args.advance_to)
-    sent = appends = 0
-    upper: Any = None
+    nothing = f"nothing was appended to {cid!r}"
     with contextlib.ExitStack() as stack:
         stream = open_input(args.input, stack)
-        current = Shard.open(s.store(), args.collection_id).refresh().upper
+        shard = Shard.open(s.store(), cid)
+        current = shard.refresh().upper
         try:  # 1. check everything; nothing is sent yet
-            checked = check_input(read_numbered(args, stream, schema), codec, current,
-                                  advance=(advance, advance_to),
-                                  what=f"the upper of collection {args.collection_id!r} (or a progress line)")
+            checked = check_input(read_numbered(args, stream, schema), codec, current, advance=(advance, advance_to),
+                                  what=f"the upper of collection {cid!r} (or a progress line)")
         except (EncodeError, ContractViolationError) as e:
-            raise type(e)(f"{e}; nothing was appended to {args.collection_id!r}", **e.fields) from None
+            raise type(e)(f"{e}; {nothing}", **e.fields) from None
         stream.seek(0)
         session = stack.enter_context(ControllerSession(args))
-        bar = stack.enter_context(ProgressBar(f"append {args.collection_id}", checked.updates, unit="updates"))
+        inline = checked.updates <= args.chunk_rows
+        bar = stack.enter_context(ProgressBar(f"append {cid}", checked.updates, unit="updates"))
+        final = _Final()
         pending: list[tuple[bytes, int, int]] = []
-
-        def flush(new_upper: int | None) -> None:
-            nonlocal sent, appends, upper
-            for chunk, up in chunk_updates(pending, new_upper, args.chunk_rows):
-                body = {
-                    "collection_id": args.collection_id,
-                    "updates": [{"row": r, "time": t, "diff": d} for r, t, d in chunk],
-                    "expected_upper": upper,
-                    "new_upper": up,
-                }
-                upper = results(session.call("Append", body)).get("upper")
-                sent += len(chunk)
-                appends += 1
-                bar.update(len(chunk))
-            pending.clear()
-
-        for n, kind, payload in read_numbered(args, stream, schema):  # 2. send, chunk by chunk
-            if kind == "update":
-                row, t, d = payload
-                pending.append((encode_row(codec, row, n), t, d))
-            else:
-                flush(payload)
-        if advance:
-            flush(advance_to)
-        elif pending:
-            flush(max(t for _, t, _ in pending) + 1)
-    print_json({"collection": args.collection_id, "updates": sent, "appends": appends, "upper": upper})
+        staged: list[StagedBatch] = []
+        sent = False
+        try:
+            # 2. the updates: kept for the command when they fit it, else staged chunk by chunk
+            for n, kind, payload in read_numbered(args, stream, schema):
+                if kind == "update":
+                    row, t, d = payload
+                    pending.append((encode_row(codec, row, n), t, d))
+                    final.update(t)
+                    if not inline and len(pending) >= args.chunk_rows:
+                        staged.append(_stage(shard, codec, pending))
+                        bar.update(len(pending))
+                        pending.clear()
+                else:
+                    final.advance(payload)
+            if staged and pending:
+                staged.append(_stage(shard, codec, pending))
+                bar.update(len(pending))
+                pending.clear()
+            changes, new_upper = final.upper(advance, advance_to)
+            if not changes and not pending and not staged:
+                upper = current.time if not current.is_empty() else None
+                print_json({"collection": cid, "updates": 0, "appends": 0, "staged_parts": 0, "upper": upper})
+                return 0
+            body = {
+                "collection_id": cid,
+                "updates": [{"row": r, "time": t, "diff": d} for r, t, d in pending],
+                "expected_upper": None if current.is_empty() else current.time,
+                "new_upper": new_upper,
+                "staged_parts": [p.key for b in staged for p in b.parts],
+            }
+            # 3. one command: the whole input, committed iff the upper is still the one checked
+            sent = True
+            upper = results(session.wait(session.send("Append", body), "Append")).get("upper")
+            bar.update(len(pending))
+        except BaseException as e:
+            # Refused, interrupted or failed before the command went out: nothing landed, and
+            # what was staged goes. A command out without an answer may still land: its
+            # objects stay for it (GC collects them if it never does).
+            determinate = not sent or isinstance(e, CommandError)
+            if determinate and staged:
+                with contextlib.suppress(ShardsinkError):
+                    shard.delete_staged(staged)
+            if isinstance(e, KeyboardInterrupt):
+                print(f"interrupted; {nothing}" if determinate else
+                      f"interrupted while waiting for the controller: the append of {cid!r} may still land",
+                      file=sys.stderr)
+                raise
+            if isinstance(e, ShardsinkError):
+                if determinate and "nothing was appended" in str(e):  # the controller said so
+                    raise
+                tail = nothing if determinate else (
+                    f"the append of {cid!r} may still land (its staged objects are then appended, else "
+                    "collected after the grace period)")
+                raise type(e)(f"{e}; {tail}", **e.fields) from None
+            raise
+    parts = sum(len(b.parts) for b in staged)
+    print_json({"collection": cid, "updates": checked.updates, "appends": 1, "staged_parts": parts, "upper": upper})
     return 0
+
+
+def _stage(shard: Any, codec: Any, updates: Sequence[tuple[bytes, int, int]]) -> Any:
+    """One chunk of encoded updates as a staged data object of the shard (decoded to Arrow a
+    chunk at a time)."""
+    from shared.avro_columns import ColumnCodec
+    from shared.codec import MARKER
+    from shared.errors import EncodeError
+    from shared.shard import DIFF, TIME
+
+    header = len(MARKER + codec.fingerprint)
+    decoded = ColumnCodec(codec.schema).decode(pa.array([r for r, _, _ in updates], pa.binary()), skip=header)
+    if not decoded.ok.all():  # the rows were encoded by the same schema: a bug, not the input
+        raise EncodeError(f"expected the encoded rows to decode, found: {next(iter(decoded.errors.values()))}")
+    table = decoded.table.append_column(TIME, pa.array([t for _, t, _ in updates], pa.uint64()))
+    table = table.append_column(DIFF, pa.array([d for _, _, d in updates], pa.int64()))
+    return shard.stage(table)
 
 
 # ==================================================================================================
