@@ -429,15 +429,19 @@ def _tail(args: argparse.Namespace) -> int:
 
     s = settings(args)
     check_brokers(s.kafka.bootstrap)
+    session = ControllerSession(args)  # a controller to answer, before the topic is created
     fresh = args.topic is None
     topic = args.topic or f"shardsink-tail-{args.collection_id}-{uuid.uuid4().hex[:12]}"
-    ensure_topic(s.kafka, topic, 1)
-    with OffsetProbe(s.kafka) as probe:
-        start = 0 if fresh else probe.ends([(topic, 0)])[(topic, 0)]
+    try:
+        ensure_topic(s.kafka, topic, 1)
+        with OffsetProbe(s.kafka) as probe:
+            start = 0 if fresh else probe.ends([(topic, 0)])[(topic, 0)]
+    except BaseException:
+        session.close()
+        raise
     sub_codec = message_codec("subscribe_output")
     consumer = new_consumer(s.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "50"})
     consumer.assign([TopicPartition(topic, 0, start)])
-    session = ControllerSession(args)
     sid: str | None = None
     done = acked = False
     try:

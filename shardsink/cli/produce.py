@@ -333,7 +333,11 @@ def encode_row(codec: Any, row: dict[str, Any], n: int) -> bytes:
     try:
         return bytes(codec.encode(row))
     except EncodeError as e:
-        detail = str(e).split("does not encode: ", 1)[-1]
+        text = str(e)
+        fits = f"expected a row that fits {codec.codec.subject!r}, found: "
+        # fastavro's complaint as it is; the row check's own sentence after what it was
+        detail = ("a value that does not fit: " + text.split(fits, 1)[1]) if fits in text else \
+            f"a value that does not encode ({text.split('does not encode: ', 1)[-1]})"
         raise EncodeError(f"expected a row matching the schema on line {n}, found {detail}", line=n) from None
 
 
