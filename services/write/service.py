@@ -171,7 +171,9 @@ class WriteJob:
 
 @dataclass(frozen=True)
 class Rows:
-    """Keys, times and diffs read back for a writer partition: data rows and error rows."""
+    """Keys, times and diffs read back for a writer partition: data rows and error rows, and
+    ``unwritable``: rows of the shard that hold a value the schema cannot hold, as
+    ``(reason, time, diff)`` (see :meth:`_Context.keys_of`)."""
 
     keys: pa.Array
     times: np.ndarray
@@ -179,6 +181,7 @@ class Rows:
     error_keys: pa.Array
     error_times: np.ndarray
     error_diffs: np.ndarray
+    unwritable: tuple[tuple[str, int, int], ...] = ()
 
     @staticmethod
     def of(keys: Any, times: Any, diffs: Any, ekeys: Any, etimes: Any, ediffs: Any) -> Rows:
@@ -194,14 +197,15 @@ class Rows:
         return Rows.of(pa.array([], pa.binary()), [], [], pa.array([], pa.binary()), [], [])
 
     def plus(self, o: Rows) -> Rows:
-        if not len(o.keys) and not len(o.error_keys):
+        if not len(o.keys) and not len(o.error_keys) and not o.unwritable:
             return self
-        if not len(self.keys) and not len(self.error_keys):
+        if not len(self.keys) and not len(self.error_keys) and not self.unwritable:
             return o
         return Rows(
             pa.concat_arrays([self.keys, o.keys]), np.concatenate([self.times, o.times]),
             np.concatenate([self.diffs, o.diffs]), pa.concat_arrays([self.error_keys, o.error_keys]),
             np.concatenate([self.error_times, o.error_times]), np.concatenate([self.error_diffs, o.error_diffs]),
+            self.unwritable + o.unwritable,
         )
 
 
@@ -244,8 +248,10 @@ class _Context:
         Data rows are encoded to their canonical keys a table at a time
         (:class:`shared.avro_columns.ColumnCodec`: no per-row Python); rows of objects no
         writer partition tagged are routed by the row hash, one ``hashlib`` call per row. A
-        table holding a value no row of the schema can hold (written by hand, say) falls back
-        to the row-by-row path, which skips such a row with a warning instead of stalling."""
+        table holding a value no row of the schema can hold (written by hand, say) goes row
+        by row: such a row has no key to correct it by, so it is never skipped in silence but
+        returned in ``unwritable`` with a reason that names it, for the error collection
+        (:meth:`absorb_unwritable`)."""
         import pyarrow.compute as pc
 
         from shared.desired import row_partition
@@ -270,7 +276,8 @@ class _Context:
         try:
             bodies = self.columns.encode(data.select(self.shard.row_columns))
         except EncodeError as e:
-            log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e)
+            log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e,
+                        extra={"sink_id": self.job.sink.sink_id})
             return out.plus(self._keys_row_by_row(data, wp, routed=routed))
         times = data[TIME].to_numpy()
         diffs = data[DIFF].to_numpy()
@@ -281,7 +288,9 @@ class _Context:
         return out.plus(Rows.of(keys, times, diffs, pa.array([], pa.binary()), [], []))
 
     def _keys_row_by_row(self, table: pa.Table, wp: int, *, routed: bool) -> Rows:
-        from shared.avro_arrow import arrow_to_rows
+        """:meth:`keys_of` one row at a time (the column codec on one-row slices): the rows that
+        encode get their keys, the others go to ``unwritable``, each owned by one partition
+        (``wp`` for a routed object, else the one its reason hashes to)."""
         from shared.desired import row_partition
         from shared.shard import DIFF, TIME
 
@@ -289,18 +298,39 @@ class _Context:
         keys: list[bytes] = []
         times: list[int] = []
         diffs: list[int] = []
-        rows = arrow_to_rows(table.select(self.shard.row_columns), self.codec.schema)
-        for row, t, d in zip(rows, table[TIME].to_pylist(), table[DIFF].to_pylist(), strict=True):
+        unwritable: list[tuple[str, int, int]] = []
+        rows = table.select(self.shard.row_columns)
+        all_times, all_diffs = table[TIME].to_pylist(), table[DIFF].to_pylist()
+        for i in range(table.num_rows):
+            t, d = int(all_times[i]), int(all_diffs[i])
             try:
-                key = self.codec.encode(row)
-            except ShardsinkError as e:  # a value no collection schema accepts: never stall
-                log.warning("skipping a shard row that does not encode: %s", e)
+                body = self.columns.encode(rows.slice(i, 1))[0].as_py()
+            except ShardsinkError as e:  # a value no row of the schema can hold: never stall
+                reason = unwritable_reason(rows.slice(i, 1), t, d, e)
+                if routed or row_partition(reason.encode(), n) == wp:
+                    unwritable.append((reason, t, d))
                 continue
-            if routed or row_partition(self.codec.partition_key(key), n) == wp:
-                keys.append(key)
+            if routed or row_partition(body, n) == wp:
+                keys.append(self.header + body)
                 times.append(t)
                 diffs.append(d)
-        return Rows.of(pa.array(keys, pa.binary()), times, diffs, pa.array([], pa.binary()), [], [])
+        out = Rows.of(pa.array(keys, pa.binary()), times, diffs, pa.array([], pa.binary()), [], [])
+        return Rows(out.keys, out.times, out.diffs, out.error_keys, out.error_times, out.error_diffs, tuple(unwritable))
+
+    def absorb_unwritable(self, ws: WriteState, rows: Rows) -> None:
+        """Rows of the shard that hold a value the schema cannot hold: the buffer cannot
+        correct them (they have no key), so each becomes an error row, at the first time the
+        partition can still write (its own time is sealed; the reason says it), and the sink
+        goes on. Deterministic: the same row read back again (a partition's fresh start) gives
+        the same error, which the shard's copy read back cancels."""
+        for reason, t, d in rows.unwritable:
+            ws.absorb_desired_error(reason, t, d)
+        if rows.unwritable:
+            log.error(
+                "partition %d: %d row(s) of the shard hold a value the collection's schema cannot hold; "
+                "they go to the error collection (the first: %s)", ws.partition, len(rows.unwritable),
+                rows.unwritable[0][0], extra={"sink_id": self.job.sink.sink_id},
+            )
 
     def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier) -> Rows:
         """Rows of ``ws``'s partition in the given objects with ``lower <= time < upper``:
@@ -356,6 +386,7 @@ class _Context:
             upper, r.keys, r.times, r.diffs, error_keys=r.error_keys, error_times=r.error_times,
             error_diffs=r.error_diffs,
         )
+        self.absorb_unwritable(ws, r)
 
     def read_back(self, ws: WriteState) -> None:
         """Absorb (negated) everything the shard gained since the persist frontier."""
@@ -371,6 +402,7 @@ class _Context:
             persist, state.upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
             error_times=r.error_times, error_diffs=r.error_diffs,
         )
+        self.absorb_unwritable(ws, r)
 
     def stage(self, ws: WriteState, decision: Stage) -> str:
         from shared.shard import DIFF, ERROR, TIME
@@ -409,6 +441,17 @@ class _Context:
         return json.dumps(staged.to_json(), sort_keys=True)
 
 
+def unwritable_reason(row: pa.Table, time: int, diff: int, error: BaseException) -> str:
+    """The error text of a shard row that holds a value the schema cannot hold (a one-row
+    table of the row columns): what it is, its time and diff, why, and the row's contents."""
+    try:
+        contents = json.dumps(row.to_pylist()[0], default=str, sort_keys=True)
+    except Exception as e:  # noqa: BLE001 - a value Python cannot even show: say so
+        contents = f"(not shown: {type(e).__name__})"
+    return (f"a row of the shard at time {time} (diff {diff}) holds a value the collection's schema cannot "
+            f"hold, so the sink cannot correct it: {error}: row {contents}")
+
+
 def _error_texts(keys: pa.Array) -> pa.Array:
     """Error keys (UTF-8 bytes of the error texts) as strings; invalid bytes replaced."""
     try:
@@ -417,10 +460,12 @@ def _error_texts(keys: pa.Array) -> pa.Array:
         return pa.array([k.decode("utf-8", "replace") for k in keys.to_pylist()], pa.string())
 
 
-def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
+def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str, codec: Any = None) -> int:
     """Gaps, updates and progress of one partition in offset order: each run of updates
     between two other records is absorbed as Arrow and numpy slices (no per-row Python; the
-    other records are few). Returns the number of undecodable messages met."""
+    other records are few). An update below its partition's progress becomes an error row
+    that names its source offset, its diff and (with ``codec``, the collection's
+    :class:`shared.codec.RowCodec`) its row. Returns the number of undecodable messages met."""
     import pyarrow.compute as pc
 
     if table.num_rows == 0:
@@ -435,12 +480,25 @@ def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
     diffs = table["diff"].fill_null(0).to_numpy()
     bad = 0
 
+    parts, offsets = table["partition"], table["offset"]
+
+    def describe(i: int) -> str:
+        """The update at row ``i``: where it came from, its diff and its row."""
+        text = f"update at {desired_topic}/{parts[i].as_py()}@{offsets[i].as_py()}, diff {int(diffs[i])}"
+        if codec is not None:
+            try:
+                text += ": row " + json.dumps(codec.decode(rows[i].as_py()), default=str, sort_keys=True)
+            except ShardsinkError:  # pragma: no cover - the rows were canonicalised on decode
+                pass
+        return text
+
     def run(a: int, b: int) -> None:
         idx = np.flatnonzero(is_update[a:b]) + a
         if len(idx) == b - a and b > a:
-            ws.absorb_desired_updates(rows.slice(a, b - a), times[a:b], diffs[a:b])
+            ws.absorb_desired_updates(rows.slice(a, b - a), times[a:b], diffs[a:b], describe=lambda j: describe(a + j))
         elif len(idx):
-            ws.absorb_desired_updates(rows.take(pa.array(idx)), times[idx], diffs[idx])
+            ws.absorb_desired_updates(rows.take(pa.array(idx)), times[idx], diffs[idx],
+                                      describe=lambda j: describe(int(idx[j])))
 
     pos = 0
     for i in other.tolist():
@@ -502,7 +560,7 @@ def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) ->
     if table is not None and table.num_rows:
         table = table.sort_by([("offset", "ascending")])
         desired = table.filter(pc.equal(table["topic"], job.sink.desired_topic))
-        absorb_input(ws, desired, job.sink.desired_topic)
+        absorb_input(ws, desired, job.sink.desired_topic, ctx.codec)
         control = table.filter(pc.equal(table["topic"], job.descs_topic))
         desc_codec = message_codec("batch_description")
         for value in control["value"].to_pylist():
