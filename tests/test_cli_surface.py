@@ -155,6 +155,14 @@ def test_produce_with_a_bad_line_sends_nothing_and_says_so(
                          "--input", _lines(tmp_path / "field.jsonl", {"row": {"k": 1, "v": "a", "colour": "red"}, "time": 1}))
     assert code == 2
     _one_error(err, "error: EncodeError: expected fields among ['k', 'v'] on line 1, found ['colour']")
+    # An int field carrying 2**31 (Avro's varint could hold it; the field's range cannot).
+    ints = _schema_file(tmp_path, {"type": "record", "name": "Ints", "fields": [{"name": "n", "type": "int"}]})
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", ints, "--partitions", "2",
+                         "--input", _lines(tmp_path / "int.jsonl", {"row": {"n": 1}, "time": 0}, {"row": {"n": 2**31}, "time": 0}))
+    assert (code, out) == (2, "")
+    assert err == ("error: EncodeError: expected a row matching the schema on line 2, found a value that does not fit: "
+                   "expected an int in [-2**31, 2**31) at Ints.n, found 2147483648 (out of range); nothing was produced "
+                   f"to {topic!r}\n"), err
     assert topic_progress(env.service.kafka, topic) is None
 
     # The corrected file lands once; the bad one again changes nothing.
@@ -404,20 +412,28 @@ def test_up_refuses_a_busy_port_in_one_line_and_prints_no_environment(stack: Emb
 # ==================================================================================================
 # 6: reading commands create nothing; a missing catalog, bucket or endpoint is one line
 # ==================================================================================================
+def _broker_topics(stack: EmbeddedStack) -> list[str]:
+    from confluent_kafka.admin import AdminClient
+
+    return list(AdminClient({"bootstrap.servers": stack.bootstrap_servers}).list_topics(timeout=10).topics)
+
+
 def test_reading_commands_never_create_a_catalog_or_a_bucket(
-    env: ControllerSettings, s3_client: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    env: ControllerSettings, stack: EmbeddedStack, s3_client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     prefix = f"typo-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("SHARDSINK_S3_PREFIX", prefix)
-    for argv in (["status"], ["collection", "list"], ["sink", "list"], ["peek", "orders"]):
+    topics_before = set(_broker_topics(stack))
+    empty = _lines(tmp_path / "empty.jsonl", {"progress": 3})
+    for argv in (["status"], ["collection", "list"], ["sink", "list"], ["peek", "orders"], ["tail", "orders"],
+                 ["append", "orders", "--input", empty]):
         code, out, err = run(capsys, *argv)
         assert (code, out) == (2, ""), (argv, err)
-        if argv[0] == "peek":  # through the controller: it does not know the collection
-            _one_error(err, "error: UnknownIdError: ")
-            continue
         assert err == (f"error: CatalogNotFoundError: expected a catalog at s3://shardsink/{prefix}/catalog/, "
                        "found none (nothing was created; check --bucket and --s3-prefix)\n"), (argv, err)
     assert s3_client.list_objects_v2(Bucket="shardsink", Prefix=prefix).get("KeyCount", 0) == 0
+    assert set(_broker_topics(stack)) == topics_before  # no tail topic, no controller topics
     # A mistyped bucket: one line, and the bucket is not created.
     code, out, err = run(capsys, "status", "--bucket", "no-such-bucket")
     assert (code, out) == (2, "")
@@ -431,6 +447,49 @@ def test_reading_commands_never_create_a_catalog_or_a_bucket(
     assert code == 2
     assert err.startswith(f"error: ObjectStoreError: expected bucket 'shardsink' at {dead}, found it unreachable"), err
     assert err.count("\n") == 1
+
+
+def test_a_command_without_a_controller_is_one_line_at_once_and_sends_or_creates_nothing(
+    env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """peek, tail, append and the controller's catalog commands need a controller: with none
+    serving the catalog (collections made with --via catalog), or none on the topics given,
+    each says so in one line before sending anything, and leaves no topic behind. The same
+    commands through either path (--via) print the same fields."""
+    prefix = f"noctl-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("SHARDSINK_S3_PREFIX", prefix)
+    schema = _schema_file(tmp_path)
+    code, out, err = run(capsys, "collection", "create", "c", "--schema", schema, "--since", "2")  # auto: the catalog
+    assert (code, json.loads(out)) == (0, {"created": "c", "since": 2, "upper": 2}), err
+    code, out, err = run(capsys, "sink", "create", "c-sink", "--topic", "c-desired", "--collection", "c", "--read-only")
+    assert (code, json.loads(out)) == (0, {"created": "c-sink", "as_of": 2}), err  # the collection's upper
+    code, out, err = run(capsys, "sink", "allow-writes", "c-sink")
+    assert (code, json.loads(out)) == (0, {"allowed_writes": ["c-sink"]}), err
+    code, out, err = run(capsys, "collection", "alter", "c", "--read-policy", "valid-from:3")
+    assert (code, json.loads(out)) == (0, {"altered": "c", "read_policy": {"kind": "valid_from", "frontier": 3},
+                                           "since": 2}), err
+    topics_before = set(_broker_topics(stack))
+    data = _lines(tmp_path / "a.jsonl", {"row": {"k": 1, "v": "a"}, "time": 5})
+    expected = ("error: ControllerNotFoundError: expected a controller serving the catalog at "
+                f"s3://shardsink/{prefix}/catalog/, found none has claimed it (start one: python -m services.controller); "
+                "nothing was sent\n")
+    for argv in (["peek", "c"], ["tail", "c"], ["append", "c", "--input", data],
+                 ["collection", "create", "d", "--schema", schema, "--via", "controller"]):
+        started = time.monotonic()
+        code, out, err = run(capsys, *argv)
+        assert (code, out, err) == (2, "", expected), argv
+        assert time.monotonic() - started < 20, argv  # no wait for an answer that cannot come
+    assert set(_broker_topics(stack)) == topics_before
+    # The controller's own catalog, but topics no controller serves: named, nothing created.
+    monkeypatch.setenv("SHARDSINK_S3_PREFIX", env.service.s3.prefix)
+    monkeypatch.setenv("SHARDSINK_TOPIC_COMMANDS", "nobody-commands")
+    code, out, err = run(capsys, "peek", "c")
+    assert (code, out) == (2, "")
+    assert err == ("error: ControllerNotFoundError: expected the controller's topics 'nobody-commands' and "
+                   f"{env.responses_topic!r}, found no 'nobody-commands' (is the controller running on "
+                   "'nobody-commands'? check --commands-topic and --responses-topic); nothing was sent\n"), err
+    assert set(_broker_topics(stack)) == topics_before
 
 
 # ==================================================================================================
