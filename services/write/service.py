@@ -65,12 +65,19 @@ failure of the write query (:func:`on_write_failure`); when the same planned mic
 checkpoint's pending offsets) failed ``quarantine_after`` times (default 3) with an error
 raised in the Python step that is not an infrastructure error (S3, Kafka, lost history,
 protocol), its desired topic ranges are recorded in the sink's quarantine object
-(``sink-health/<sink>-e<epoch>.quarantine.json``). The restarted query decodes the updates of
+(``sink-health/<sink>-e<epoch>.quarantine.json``): the ranges of the writer partition the
+failure names (:func:`write_step` notes it on what it raises), else every range of the batch.
+The restarted query decodes the updates of
 those ranges as error rows at their own time (source offset, reason and the row as JSON in
 the error text), so they land in the error collection and the sink goes on; progress
 statements in the ranges keep counting. ``shardsink status`` and the metric
 ``shardsink_write_quarantined_ranges`` show it. Quarantine never retracts: the rows never
-reach the correction buffer. Failures are counted per service process.
+reach the correction buffer. Failures are counted in the same S3 object (``failing``), so
+the count survives a restart of the service, and ``status`` shows a batch failing before it
+is quarantined. Narrower than a partition's range (the offending records alone) would take a
+re-run per halving of the range, each a query restart of seconds, for a failure that per-value
+checks (decode, read-back) already keep from happening on bad values: a quarantined range
+loses nothing (each update is an error row with its row), so it is not done.
 
 Micro-batch order inside a writer partition's task (all on the executor):
 
@@ -527,7 +534,17 @@ def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) ->
     """One writer partition, one micro-batch, on an executor: the steps of the module
     docstring. ``table``: the partition's decoded input (columns of
     :data:`services.sinkio.ROUTED_SCHEMA`), None or empty when it has none. Returns the rows
-    for the driver: a report (or a refusal), and the partition's statistics."""
+    for the driver: a report (or a refusal), and the partition's statistics. Whatever it
+    raises carries a note naming the partition and the micro-batch, so a quarantine takes
+    only the ranges of the partition that failed."""
+    try:
+        return _write_step(job, wp, batch_id, table)
+    except Exception as e:
+        e.add_note(f"in writer partition {wp} of write micro-batch {batch_id}")
+        raise
+
+
+def _write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -> list[dict[str, Any]]:
     import pyarrow.compute as pc
 
     from shared.codec import message_codec
@@ -794,15 +811,8 @@ _NOT_THE_INPUT = (
 )
 
 
-@dataclass
-class FailureCount:
-    batch_id: int
-    failures: int
-    reason: str
-
-
-#: Per (sink, epoch): consecutive failures of the same pending micro-batch (this process).
-_FAILURES: dict[tuple[str, int], FailureCount] = {}
+#: The note the write step adds to whatever it raises: the quarantine takes the partition from it.
+_PARTITION_NOTE = re.compile(r"in writer partition (\d+) of write micro-batch (\d+)")
 
 
 def load_quarantine(settings: ServiceSettings, sink: SinkDef) -> list[tuple[int, int, int, str]]:
@@ -851,41 +861,41 @@ def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dic
 
 def on_write_failure(spark: Any, settings: ServiceSettings, sink: SinkDef, exc: Any) -> list[dict[str, Any]]:
     """The supervisor's failure hook of the write query: count failures of the same pending
-    micro-batch and quarantine its desired ranges after ``quarantine_after`` of them.
-    Returns the ranges quarantined now (empty when not yet, or not the input's fault)."""
-    from shared.catalog import add_sink_quarantine
+    micro-batch (on S3, with the sink's quarantine record: the count survives a restart of
+    the service) and, after ``quarantine_after`` of them, quarantine its desired ranges:
+    those of the writer partitions the failure names (the write step notes its partition on
+    what it raises), else all of the batch's. Returns the ranges quarantined now (empty when
+    not yet, or not the input's fault)."""
+    from shared.catalog import add_sink_quarantine, count_sink_failure
     from shared.io.spark_kafka import offsets_from_json
 
-    key = (sink.sink_id, sink.epoch)
     if settings.quarantine_after <= 0 or not is_input_failure(exc):
-        _FAILURES.pop(key, None)
         return []
     pending = pending_batch(spark, checkpoint_path(settings, "write", sink))
     if pending is None:
         return []
     batch_id, start_json, end_json = pending
     reason = failure_reason(exc)
-    prev = _FAILURES.get(key)
-    count = prev.failures + 1 if prev is not None and prev.batch_id == batch_id else 1
-    _FAILURES[key] = FailureCount(batch_id, count, reason)
+    store = settings.store()
+    count = count_sink_failure(store, sink.sink_id, sink.epoch, batch_id, reason)
     if count < settings.quarantine_after:
         log.warning("write micro-batch %d failed %d time(s): %s", batch_id, count, reason, extra={"sink_id": sink.sink_id})
         return []
     start = offsets_from_json(start_json).get(sink.desired_topic, {})
     end = offsets_from_json(end_json).get(sink.desired_topic, {})
+    named = {int(p) for p, b in _PARTITION_NOTE.findall(str(exc)) if int(b) == batch_id}
     ranges = [
         {"topic": sink.desired_topic, "partition": p, "start": start.get(p, 0), "end": e,
          "batch_id": batch_id, "failures": count, "reason": reason}
         for p, e in sorted(end.items())
-        if e > start.get(p, 0)
+        if e > start.get(p, 0) and (not named or p in named)
     ]
     if ranges:
-        add_sink_quarantine(settings.store(), sink.sink_id, sink.epoch, ranges)
+        add_sink_quarantine(store, sink.sink_id, sink.epoch, ranges)
         log.error(
             "write micro-batch %d failed %d times on the same input: its desired ranges %s "
             "are quarantined to the error collection: %s", batch_id, count,
             [(r["partition"], r["start"], r["end"]) for r in ranges], reason,
             extra={"sink_id": sink.sink_id},
         )
-    _FAILURES.pop(key, None)
     return ranges

@@ -587,16 +587,19 @@ def sink_refusals(s: Any, sinks: list[Any]) -> dict[str, str]:
     return out
 
 
-def sink_quarantines(s: Any, sinks: list[Any]) -> dict[str, list[dict[str, Any]]]:
-    """The desired ranges each sink's writer quarantined (its current epoch)."""
-    from shared.catalog import sink_quarantine
+def sink_quarantines(s: Any, sinks: list[Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """Per sink (its current epoch): the desired ranges its writer quarantined, and the write
+    micro-batch failing on its input now (not quarantined yet)."""
+    from shared.catalog import quarantine_record
 
-    out = {}
+    ranges, failing = {}, {}
     for k in sinks:
-        q = sink_quarantine(s.store(), k.sink_id, k.epoch)
-        if q:
-            out[k.sink_id] = q
-    return out
+        record = quarantine_record(s.store(), k.sink_id, k.epoch)
+        if record["ranges"]:
+            ranges[k.sink_id] = record["ranges"]
+        if record["failing"]:
+            failing[k.sink_id] = record["failing"]
+    return ranges, failing
 
 
 def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
@@ -633,9 +636,11 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
             health = sink_refusals(s, sinks)
             if health:
                 entry["refusing"] = health
-            quarantined = sink_quarantines(s, sinks)
+            quarantined, failing = sink_quarantines(s, sinks)
             if quarantined:
                 entry["quarantined"] = quarantined
+            if failing:
+                entry["failing"] = failing
             entry.update({
                 "upper": st.upper.to_json(),
                 "since": st.since.to_json(),
@@ -677,6 +682,10 @@ def _status(args: argparse.Namespace) -> int:
                   f"write as rows; read them with snapshot(include_errors=True) or tail)", file=sys.stderr)
         for sid, msg in r.get("refusing", {}).items():
             print(f"error: sink {sid} refuses to write: {msg}", file=sys.stderr)
+        for sid, f in r.get("failing", {}).items():
+            print(f"warning: sink {sid}: write micro-batch {f['batch_id']} failed {f['failures']} time(s) on its input "
+                  f"({f['reason']}); retried, and quarantined to the error collection if it keeps failing",
+                  file=sys.stderr)
         for sid, ranges in r.get("quarantined", {}).items():
             offsets = sum(int(q["end"]) - int(q["start"]) for q in ranges)
             parts = ", ".join(f"{q['topic']}/{q['partition']}@[{q['start']},{q['end']})" for q in ranges)
