@@ -392,6 +392,35 @@ def test_the_controller_checks_the_data_objects_an_append_names(
     assert shard.refresh().upper.time == 2
 
 
+def test_a_schema_without_an_exact_mapping_is_refused_at_create_whichever_way(
+    env: ControllerSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A type that cannot flow through the sink exactly (here a decimal without a precision,
+    or a record with no field inside an array) is refused at ``collection create`` with the
+    same typed line through the controller and through the catalog, and nothing is created."""
+    from shared.catalog import Catalog
+    from shared.shard import Shard
+
+    cases = [
+        ({"name": "a", "type": {"type": "bytes", "logicalType": "decimal"}},
+         "error: SchemaError: expected a decimal"),
+        ({"name": "a", "type": {"type": "array", "items": {"type": "record", "name": "E", "fields": []}}},
+         "error: SchemaError: expected a record with at least one field at R.a[], found record 'E'"),
+    ]
+    for field, prefix in cases:
+        schema = _schema_file(tmp_path, {"type": "record", "name": "R", "fields": [field]})
+        lines = set()
+        for via in ("controller", "catalog"):
+            cid = f"inexact{uuid.uuid4().hex[:6]}"
+            code, out, err = run(capsys, "collection", "create", cid, "--schema", schema, "--via", via)
+            assert (code, out) == (2, ""), (via, err)
+            _one_error(err, prefix)
+            lines.add(err.replace(cid, "<id>"))
+            assert cid not in Catalog(env.service.store()).state().collections
+            assert Shard(env.service.store(), cid).list_objects() == []  # no shard either
+        assert len(lines) == 1, lines  # the same line whichever way
+
+
 # ==================================================================================================
 # 5: make up on busy ports
 # ==================================================================================================
