@@ -508,7 +508,10 @@ class ControlProducer:
         self._errors: list[Any] = []
 
     @staticmethod
-    def create(kafka_settings: Any, client_id: str) -> ControlProducer:
+    def create(kafka_settings: Any, client_id: str, *, auto_create_topics: bool = True) -> ControlProducer:
+        """``auto_create_topics=False``: a topic missing at a metadata refresh stays missing (a
+        producer that only writes topics made beforehand, and that others may delete: the
+        controller, whose subscribers delete their output topics)."""
         from confluent_kafka import Producer
 
         from services.common import faults_from_env
@@ -523,6 +526,7 @@ class ControlProducer:
                 "client.id": client_id,
                 "linger.ms": 2,
                 "logger": logging.getLogger("shardsink.kafka.client"),
+                **({} if auto_create_topics else {"allow.auto.create.topics": False}),
             }
         )
         faults = faults_from_env()  # test only (SHARDSINK_FAULTS): injected delivery errors

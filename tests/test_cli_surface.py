@@ -522,7 +522,7 @@ def test_a_command_without_a_controller_is_one_line_at_once_and_sends_or_creates
 
 
 # ==================================================================================================
-# 7, 10, 12: tail names the topic it leaves; one vocabulary; peek order and timestamps round-trip
+# 7, 10, 12: tail deletes its topic; one vocabulary; peek order and timestamps round-trip
 # ==================================================================================================
 TS_SCHEMA = {"type": "record", "name": "Stamped", "fields": [
     {"name": "k", "type": "long"}, {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
@@ -538,7 +538,7 @@ def _tail_topics(stack: EmbeddedStack, collection_id: str) -> list[str]:
     return [t for t in admin.list_topics(timeout=10).topics if t.startswith(f"shardsink-tail-{collection_id}-")]
 
 
-def test_tail_names_the_topic_it_leaves_and_printed_values_produce_back(
+def test_tail_deletes_its_topic_and_printed_values_produce_back(
     env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cid = f"stamped{uuid.uuid4().hex[:6]}"
@@ -554,13 +554,22 @@ def test_tail_names_the_topic_it_leaves_and_printed_values_produce_back(
     assert code == 0, err
     assert [line.split(",")[0] for line in out.splitlines()] == ["k", "1", "2"]
     assert err == f"2 of 3 rows of {cid} as of 1\n"
-    # tail until --up-to: its fresh topic is left on the broker (see the help), and named.
+    # tail until --up-to: its fresh topic is deleted at the end (after the controller's last
+    # message), and the controller goes on serving (its producer had the topic cached).
     code, out, err = run(capsys, "tail", cid, "--as-of", "0", "--up-to", "1")
-    assert code == 0, err
+    assert (code, err) == (0, ""), err
     printed = [json.loads(line.split("\t")[2]) for line in out.splitlines()]
     assert sorted(r["k"] for r in printed) == [1, 2, 3]
-    left = _tail_topics(stack, cid)
-    assert len(left) == 1 and err == f"output topic {left[0]} left on the broker\n", (left, err)
+    assert _tail_topics(stack, cid) == []
+    time.sleep(2)  # a metadata refresh of the controller's producer later: still gone
+    assert _tail_topics(stack, cid) == []
+    code, out, err = run(capsys, "tail", cid, "--as-of", "0", "--up-to", "1")
+    assert code == 0 and len(out.splitlines()) == 3 and _tail_topics(stack, cid) == [], err
+    # A topic of the user's own (--topic) is left as it is.
+    own = f"own-{cid}"
+    code, out, err = run(capsys, "tail", cid, "--as-of", "0", "--up-to", "1", "--topic", own)
+    assert (code, err) == (0, "") and len(out.splitlines()) == 3, err
+    assert own in _broker_topics(stack)
     # What tail printed is accepted by produce for the same schema, and means the same values.
     topic = f"surface-ts-{uuid.uuid4().hex[:8]}"
     code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--partitions", "1",
@@ -590,6 +599,41 @@ def test_tail_names_the_topic_it_leaves_and_printed_values_produce_back(
     code, out, err = run(capsys, "tail", f"{cid}x", "--as-of", "0")
     assert code == 2 and err.startswith("error: UnknownIdError: ") and err.count("\n") == 1, err
     assert _tail_topics(stack, f"{cid}x") == []
+
+
+def test_a_subscribe_whose_output_topic_was_deleted_ends_and_the_topic_stays_gone(
+    env: ControllerSettings, ctl: Any, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from shared.catalog import Catalog
+    from shared.controller_state import ControllerSection
+    from tests.controller_fixture import append_body, ok
+
+    _, client, cs = ctl
+    cid = f"gone{uuid.uuid4().hex[:6]}"
+    assert run(capsys, "collection", "create", cid, "--schema", _schema_file(tmp_path))[0] == 0
+    ok(client.call("Append", append_body(cid, [({"k": 1, "v": "a"}, 0, 1)], 1)))
+    topic = f"sub-out-{cid}"
+    sid = ok(client.call("Subscribe", {"collection_id": cid, "output_topic": topic, "as_of": 0, "up_to": None,
+                                       "with_snapshot": True}))["command_id"]
+
+    def sub() -> dict[str, Any]:
+        return ControllerSection.from_extra(Catalog(cs.service.store()).state().extra).subs[sid]
+
+    deadline = time.monotonic() + 30
+    while sub().get("progress") is None:  # its first step is on the topic
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap_servers})
+    admin.delete_topics([topic], operation_timeout=10)[topic].result(10)
+    ok(client.call("Append", append_body(cid, [({"k": 2, "v": "b"}, 1, 1)], 2)))  # a step to write
+    while sub().get("state") != "done":
+        assert time.monotonic() < deadline, sub()
+        time.sleep(0.1)
+    time.sleep(1.5)
+    assert topic not in _broker_topics(stack)
+    assert run(capsys, "peek", cid, "--as-of", "1")[0] == 0  # the controller goes on
 
 
 # ==================================================================================================

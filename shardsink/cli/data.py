@@ -22,7 +22,8 @@ S3 Parquet object the answer names. ``tail`` sends ``Subscribe`` with a fresh ou
 (``--topic`` to name one), prints each change as ``time<TAB>diff<TAB>row-json``, each error
 row as ``error<TAB>time<TAB>diff<TAB>reason`` and, with ``--progress``, each progress statement as ``progress<TAB>T`` (``progress<TAB>closed`` at the
 end). It stops when the subscribe ends (``--up-to`` reached, collection dropped) or on
-Ctrl-C, which cancels the subscribe (exit 130).
+Ctrl-C, which cancels the subscribe (exit 130); then it deletes its fresh output topic, once
+it has read the subscribe's final progress statement (the controller writes nothing after it).
 
 ``status`` reads the catalog and the shards on S3 directly (no controller needed): upper,
 since, lag, batches, rows, error rows and bytes per live collection. *lag* is the desired frontier of the
@@ -90,7 +91,7 @@ def register(sub: Any) -> None:
     p.add_argument("--up-to", type=int, default=None, help="stop before this time (default: never)")
     p.add_argument("--progress", action="store_true", help="print progress statements too")
     p.add_argument("--no-snapshot", action="store_true", help="only the changes after --as-of, no snapshot")
-    p.add_argument("--topic", default=None, help="the output topic (default: a fresh one, left on the broker at the end)")
+    p.add_argument("--topic", default=None, help="the output topic, left at the end (default: a fresh one, deleted at the end)")
     add_connection_args(p)
     p.set_defaults(func=_tail)
 
@@ -124,10 +125,9 @@ Subscribe to a collection and print each change as time<TAB>diff<TAB>row-json, l
 each error row (an update the sink could not write as a row) as error<TAB>time<TAB>diff<TAB>reason;
 with --progress also progress<TAB>T lines (progress<TAB>closed at the end).
 
-The subscribe writes to a fresh output topic (--topic to name one), left on the broker at the
-end (deleted when the controller refused the subscribe). It
-stops when the subscribe ends (--up-to reached, collection dropped) or on Ctrl-C, which
-cancels the subscribe (exit 130)."""
+The subscribe writes to a fresh output topic (--topic to name one), deleted at the end (a
+topic named with --topic is left). It stops when the subscribe ends (--up-to reached,
+collection dropped) or on Ctrl-C, which cancels the subscribe (exit 130)."""
 
 _STATUS = """\
 Print upper, since, lag, batches, rows, error rows and bytes of every live collection, read from the
@@ -443,7 +443,8 @@ def _tail(args: argparse.Namespace) -> int:
     consumer = new_consumer(s.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "50"})
     consumer.assign([TopicPartition(topic, 0, start)])
     sid: str | None = None
-    done = acked = False
+    acked = False
+    ended = [False]  # the subscribe's final progress statement was read: the controller is done with the topic
     try:
         sid = session.send("Subscribe", {
             "collection_id": args.collection_id, "output_topic": topic, "as_of": args.as_of,
@@ -452,44 +453,57 @@ def _tail(args: argparse.Namespace) -> int:
         session.wait(sid, "Subscribe")
         acked = True
         codec = row_codec(s, args.collection_id)
-        out = sys.stdout
-        while not done:
-            for m in consumer.consume(num_messages=1000, timeout=0.2):
-                if m.error() is not None:
-                    continue
-                msg = sub_codec.decode(m.value() or b"")
-                if msg["subscribe_id"] != sid:
-                    continue
-                if msg["progressed"]:
-                    if msg["time"] is None:
-                        done = True
-                    if args.progress:
-                        out.write(f"progress\t{'closed' if msg['time'] is None else msg['time']}\n")
-                elif msg.get("error") is not None:  # an error row: no row, the reason instead
-                    reason = " ".join(str(msg["error"]).split())  # one line, whatever it holds
-                    out.write(f"error\t{msg['time']}\t{msg['diff']}\t{reason}\n")
-                else:
-                    row = json.dumps(codec.decode(msg["row"]), default=_json_default, sort_keys=False)
-                    out.write(f"{msg['time']}\t{msg['diff']}\t{row}\n")
-                if done:
-                    break
-            out.flush()
+        _print_subscribe(consumer, sub_codec, codec, sid, args.progress, sys.stdout, ended)
     except KeyboardInterrupt:
-        if sid is not None:
-            _cancel(session, sid)
+        if sid is not None and _cancel(session, sid):
+            # Cancelled: the controller ends the subscribe with its final progress statement;
+            # read up to it (not printed), so the topic is no longer the controller's to write.
+            try:
+                _print_subscribe(consumer, sub_codec, None, sid, False, None, ended, timeout_s=10.0)
+            except KeyboardInterrupt:
+                pass
         raise
     finally:
         consumer.close()
         session.close()
-        # A fresh topic the controller never wrote to (the subscribe was refused) is deleted.
-        # One it wrote to is left: the controller's producer has it in its metadata cache,
-        # and on the embedded broker (Tansu) deleting a topic a live client has cached makes
-        # librdkafka crash that client (a NULL topic name in the next metadata update).
-        if fresh and not acked:
+        # A fresh topic goes when the controller will not write it again: it refused the
+        # subscribe, or its final progress statement was read. (The controller's producer does
+        # not re-create a topic deleted under it.) Otherwise it is left, and named.
+        if fresh and (not acked or ended[0]):
             _delete_topic(s.kafka, topic)
         elif fresh:
             print(f"output topic {topic} left on the broker", file=sys.stderr)
     return 0
+
+
+def _print_subscribe(consumer: Any, sub_codec: Any, codec: Any, sid: str, progress: bool, out: IO[str] | None,
+                     ended: list[bool], timeout_s: float | None = None) -> None:
+    """Print subscribe ``sid``'s messages (``out`` None: read them only) until its final
+    progress statement (``ended[0]`` then True) or ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not ended[0] and (deadline is None or time.monotonic() < deadline):
+        for m in consumer.consume(num_messages=1000, timeout=0.2):
+            if m.error() is not None:
+                continue
+            msg = sub_codec.decode(m.value() or b"")
+            if msg["subscribe_id"] != sid:
+                continue
+            if msg["progressed"]:
+                ended[0] = msg["time"] is None
+                if progress and out is not None:
+                    out.write(f"progress\t{'closed' if msg['time'] is None else msg['time']}\n")
+            elif out is None:
+                pass
+            elif msg.get("error") is not None:  # an error row: no row, the reason instead
+                reason = " ".join(str(msg["error"]).split())  # one line, whatever it holds
+                out.write(f"error\t{msg['time']}\t{msg['diff']}\t{reason}\n")
+            else:
+                row = json.dumps(codec.decode(msg["row"]), default=_json_default, sort_keys=False)
+                out.write(f"{msg['time']}\t{msg['diff']}\t{row}\n")
+            if ended[0]:
+                break
+        if out is not None:
+            out.flush()
 
 
 def _json_default(v: Any) -> Any:
