@@ -510,6 +510,22 @@ def test_a_command_without_a_controller_is_one_line_at_once_and_sends_or_creates
         assert (code, out, err) == (2, "", expected), argv
         assert time.monotonic() - started < 20, argv  # no wait for an answer that cannot come
     assert set(_broker_topics(stack)) == topics_before
+    # status needs Kafka only for the lag: with no broker it shows the rest at once, and says so.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("SHARDSINK_KAFKA_BOOTSTRAP", dead)
+    started = time.monotonic()
+    code, out, err = run(capsys, "status", "--output", "json")
+    assert time.monotonic() - started < 15  # not librdkafka's 30 s timeout
+    unreachable = (f"expected a Kafka broker at {dead}, found none reachable (connection refused); check "
+                   "--bootstrap or SHARDSINK_KAFKA_BOOTSTRAP")
+    assert (code, json.loads(out)) == (0, {"collection": "c", "upper": 2, "since": 2, "lag": None, "batches": 0,
+                                           "rows": 0, "errors": 0, "bytes": 0, "sinks": ["c-sink"],
+                                           "lag_unknown": unreachable}), err
+    code, out, err = run(capsys, "status")
+    assert (code, err) == (0, f"warning: no lag shown: {unreachable}\n")
+    monkeypatch.setenv("SHARDSINK_KAFKA_BOOTSTRAP", stack.env()["SHARDSINK_KAFKA_BOOTSTRAP"])
     # The controller's own catalog, but topics no controller serves: named, nothing created.
     monkeypatch.setenv("SHARDSINK_S3_PREFIX", env.service.s3.prefix)
     monkeypatch.setenv("SHARDSINK_TOPIC_COMMANDS", "nobody-commands")

@@ -626,6 +626,16 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
     state = read_catalog(s).state()
     out = []
     cols = state.live_collections()
+    kafka_down: str | None = None  # the lag needs Kafka: without it, say so once and show none
+    if any(state.live_sinks(c.collection_id) for c in cols):
+        from shared.errors import KafkaUnavailableError
+
+        from shardsink.cli.util import check_brokers
+
+        try:
+            check_brokers(s.kafka.bootstrap)
+        except KafkaUnavailableError as e:
+            kafka_down = str(e)
     with ProgressBar("status", len(cols), unit="collections") as bar:
         for c in cols:
             entry: dict[str, Any] = {"collection": c.collection_id}
@@ -639,9 +649,9 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
                 bar.update()
                 continue
             lag = None
-            desired = [desired_frontier(s.kafka, k.desired_topic, lag_window) for k in sinks]
+            desired = [] if kafka_down else [desired_frontier(s.kafka, k.desired_topic, lag_window) for k in sinks]
             known = [f for f in desired if f is not None]
-            if sinks and len(known) == len(desired):
+            if sinks and not kafka_down and len(known) == len(desired):
                 furthest = max(known, key=lambda f: (f.is_empty(), f.time or 0))
                 if furthest.is_empty():
                     lag = 0 if st.upper.is_empty() else None
@@ -655,6 +665,8 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
                 entry["quarantined"] = quarantined
             if failing:
                 entry["failing"] = failing
+            if sinks and kafka_down:
+                entry["lag_unknown"] = kafka_down
             entry.update({
                 "upper": st.upper.to_json(),
                 "since": st.since.to_json(),
@@ -690,6 +702,9 @@ def _status(args: argparse.Namespace) -> int:
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"warning: {r['collection']}: {r['error']}", file=sys.stderr)
+    down = next((r["lag_unknown"] for r in rows if r.get("lag_unknown")), None)
+    if down:
+        print(f"warning: no lag shown: {down}", file=sys.stderr)
     for r in rows:
         if r.get("errors"):
             print(f"warning: {r['collection']} holds {r['errors']} error rows (updates the sink could not "
