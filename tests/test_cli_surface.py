@@ -544,6 +544,8 @@ TS_SCHEMA = {"type": "record", "name": "Stamped", "fields": [
     {"name": "k", "type": "long"}, {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
     {"name": "price", "type": ["null", {"type": "bytes", "logicalType": "decimal", "precision": 9, "scale": 2}],
      "default": None},
+    {"name": "blob", "type": ["null", "bytes"], "default": None},
+    {"name": "tag", "type": {"type": "fixed", "name": "Tag", "size": 2}, "default": "ab"},
 ]}
 
 
@@ -560,8 +562,9 @@ def test_tail_deletes_its_topic_and_printed_values_produce_back(
     cid = f"stamped{uuid.uuid4().hex[:6]}"
     schema = _schema_file(tmp_path, TS_SCHEMA)
     assert run(capsys, "collection", "create", cid, "--schema", schema, "--via", "controller")[0] == 0
-    rows = [{"k": 2, "at": "2024-05-01 12:00:00+00:00", "price": "12.50"}, {"k": 1, "at": "2024-05-01T12:00:01Z"},
-            {"k": 3, "at": "2024-05-01 12:00:02"}]
+    # bytes and fixed as Avro's JSON encoding has them: one code point 0-255 per byte
+    rows = [{"k": 2, "at": "2024-05-01 12:00:00+00:00", "price": "12.50", "blob": "\u0000\u00ff\\x", "tag": "\u00e9\u0001"},
+            {"k": 1, "at": "2024-05-01T12:00:01Z", "tag": "zz"}, {"k": 3, "at": "2024-05-01 12:00:02", "tag": "ab"}]
     code, out, err = run(capsys, "append", cid, "--advance-to", "2",
                          "--input", _lines(tmp_path / "a.jsonl", *[{"row": r, "time": 0} for r in rows]))
     assert code == 0, err
@@ -594,14 +597,15 @@ def test_tail_deletes_its_topic_and_printed_values_produce_back(
     from shared.codec import RowCodec
 
     codec = RowCodec(TS_SCHEMA)
-    got = sorted((codec.decode(m.row)["k"], codec.decode(m.row)["at"], codec.decode(m.row)["price"])
+    got = sorted(tuple(codec.decode(m.row)[f] for f in ("k", "at", "price", "blob", "tag"))
                  for m in _topic_messages(stack, topic, 1, expected=3) if isinstance(m, DesiredUpdate))
     import datetime as dt
     from decimal import Decimal
 
     base = dt.datetime(2024, 5, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
-    assert got == [(1, base + dt.timedelta(seconds=1), None), (2, base, Decimal("12.50")),
-                   (3, base + dt.timedelta(seconds=2), None)]
+    assert got == [(1, base + dt.timedelta(seconds=1), None, None, b"zz"),
+                   (2, base, Decimal("12.50"), b"\x00\xff\\x", b"\xe9\x01"),
+                   (3, base + dt.timedelta(seconds=2), None, None, b"ab")]
     # A timestamp that does not parse: the line, nothing sent.
     code, out, err = run(capsys, "produce", "--topic", topic, "--schema", schema, "--input",
                          _lines(tmp_path / "badts.jsonl", {"row": {"k": 9, "at": "yesterday"}, "time": 6}))

@@ -362,7 +362,7 @@ def _cell(v: Any) -> str:
     if isinstance(v, bytes):
         return v.decode("utf-8", "backslashreplace")
     if isinstance(v, (dict, list)):
-        return json.dumps(v, default=str, sort_keys=True)
+        return json.dumps(v, default=_json_default, sort_keys=True)
     return str(v)
 
 
@@ -507,8 +507,11 @@ def _print_subscribe(consumer: Any, sub_codec: Any, codec: Any, sid: str, progre
 
 
 def _json_default(v: Any) -> Any:
+    """JSON for what JSON has no type for: bytes as Avro's JSON encoding has them (one code
+    point 0-255 per byte, which ``produce`` reads back), the rest (timestamps, decimals,
+    uuids) as the text ``produce`` accepts."""
     if isinstance(v, bytes):
-        return v.decode("utf-8", "backslashreplace")
+        return v.decode("latin-1")
     return str(v)
 
 
