@@ -369,15 +369,19 @@ def test_a_shard_row_the_schema_cannot_hold_becomes_an_error_row_and_the_sink_go
     schema = {"type": "record", "name": "Kv", "fields": [{"name": "k", "type": "long"}, {"name": "v", "type": "string"}]}
     cid, sid, topic = f"c-unwritable-{unique_id}", f"s-unwritable-{unique_id}", f"desired-unwritable-{unique_id}"
     shard = h.collection(cid, schema, topic, partitions=2)
-    by_hand = pa.table({"k": pa.array([1, None], pa.int64()), "v": ["kept", "no key"],
-                        "_time": pa.array([0, 0], pa.uint64()), "_diff": pa.array([1, 1], pa.int64())})
+    # 40 rows, two of them without a key (k null), in one object no writer partition tagged
+    ks = [None if i in (9, 30) else i for i in range(40)]
+    by_hand = pa.table({"k": pa.array(ks, pa.int64()), "v": ["no key" if k is None else "kept" for k in ks],
+                        "_time": pa.array([0] * 40, pa.uint64()), "_diff": pa.array([1] * 40, pa.int64())})
     shard.compare_and_append(by_hand, 0, 1)
     producer = DesiredProducer(h.settings.kafka, topic, schema)
-    producer.send({"k": 1, "v": "kept"}, 0, 1)  # the desired collection holds the good row
+    work = TypedWorkload(producer, lambda rng, i: {"k": 100 + i, "v": rng.choice("xyz")}, seed=3)
+    for k in ks:  # the desired collection holds the good rows
+        if k is not None:
+            producer.send({"k": k, "v": "kept"}, 0, 1)
+            work.updates.append((work.codec.encode({"k": k, "v": "kept"}), 0, 1))
     producer.advance_to(1)
     h.sink(sid, topic, cid)
-    work = TypedWorkload(producer, lambda rng, i: {"k": 100 + i, "v": rng.choice("xyz")}, seed=3)
-    work.updates.append((work.codec.encode({"k": 1, "v": "kept"}), 0, 1))
 
     def good_and_errors(as_of: int) -> tuple[dict[bytes, int], dict[str, int]]:
         snap = shard.snapshot(as_of)
@@ -386,7 +390,7 @@ def test_a_shard_row_the_schema_cannot_hold_becomes_an_error_row_and_the_sink_go
         for row, d in zip(arrow_to_rows(ok.select(["k", "v"]), schema), ok[DIFF].to_pylist(), strict=True):
             rows[work.codec.encode(row)] += d
         unkeyed = snap.filter(pa.compute.and_(snap[ERROR].is_null(), snap["k"].is_null()))
-        assert unkeyed["v"].to_pylist() == ["no key"] and unkeyed[DIFF].to_pylist() == [1]  # never retracted
+        assert unkeyed["v"].to_pylist() == ["no key"] and unkeyed[DIFF].to_pylist() == [2]  # never retracted
         bad = snap.filter(snap[ERROR].is_valid())
         return {k: v for k, v in rows.items() if v}, dict(zip(bad[ERROR].to_pylist(), bad[DIFF].to_pylist(), strict=True))
 
@@ -400,9 +404,12 @@ def test_a_shard_row_the_schema_cannot_hold_becomes_an_error_row_and_the_sink_go
             time.sleep(POLL_S)
         rows, errors = good_and_errors(target - 1)
         assert rows == work.model(target)
-        assert len(errors) == 1 and list(errors.values()) == [1], errors
+        # the two identical rows (consolidated when appended: one row, diff 2) give one error
+        assert len(errors) == 1 and list(errors.values()) == [2], errors
         (error,) = errors
-        assert "a row of the shard at time 0 (diff 1) holds a value the collection's schema cannot hold" in error, error
+        assert "a row of the shard at time 0 (diff 2) holds a value the collection's schema cannot hold" in error, error
+        assert "expected a value in non-nullable field 'k', found null" in error, error
         assert 'row {"k": null, "v": "no key"}' in error, error
     assert error not in good_and_errors(0)[1]  # at the first time the sink could write (1), not 0
-    assert error in good_and_errors(1)[1]
+    assert good_and_errors(1)[1] == {error: 2}
+    producer.close()

@@ -295,33 +295,45 @@ class _Context:
         return out.plus(Rows.of(keys, times, diffs, pa.array([], pa.binary()), [], []))
 
     def _keys_row_by_row(self, table: pa.Table, wp: int, *, routed: bool) -> Rows:
-        """:meth:`keys_of` one row at a time (the column codec on one-row slices): the rows that
-        encode get their keys, the others go to ``unwritable``, each owned by one partition
-        (``wp`` for a routed object, else the one its reason hashes to)."""
+        """:meth:`keys_of` for a table holding rows that do not encode: the table is halved
+        until each slice encodes or is one such row (a few column-codec calls per bad row, not
+        one per row); the rows that encode get their keys, the others go to ``unwritable``,
+        each owned by one partition (``wp`` for a routed object, else the one its reason hashes
+        to)."""
+        import pyarrow.compute as pc
+
         from shared.desired import row_partition
         from shared.shard import DIFF, TIME
 
         n = self.job.partitions
-        keys: list[bytes] = []
-        times: list[int] = []
-        diffs: list[int] = []
-        unwritable: list[tuple[str, int, int]] = []
         rows = table.select(self.shard.row_columns)
-        all_times, all_diffs = table[TIME].to_pylist(), table[DIFF].to_pylist()
-        for i in range(table.num_rows):
-            t, d = int(all_times[i]), int(all_diffs[i])
+        all_times = table[TIME].to_numpy()
+        all_diffs = table[DIFF].to_numpy()
+        good_idx: list[np.ndarray] = []
+        good_bodies: list[pa.Array] = []
+        unwritable: list[tuple[str, int, int]] = []
+        todo = [(0, table.num_rows)]
+        while todo:
+            lo, hi = todo.pop()
             try:
-                body = self.columns.encode(rows.slice(i, 1))[0].as_py()
+                good_bodies.append(self.columns.encode(rows.slice(lo, hi - lo)))
+                good_idx.append(np.arange(lo, hi))
             except ShardsinkError as e:  # a value no row of the schema can hold: never stall
-                reason = unwritable_reason(rows.slice(i, 1), t, d, e)
+                if hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    todo += [(mid, hi), (lo, mid)]
+                    continue
+                t, d = int(all_times[lo]), int(all_diffs[lo])
+                reason = unwritable_reason(rows.slice(lo, 1), t, d, e)
                 if routed or row_partition(reason.encode(), n) == wp:
                     unwritable.append((reason, t, d))
-                continue
-            if routed or row_partition(body, n) == wp:
-                keys.append(self.header + body)
-                times.append(t)
-                diffs.append(d)
-        out = Rows.of(pa.array(keys, pa.binary()), times, diffs, pa.array([], pa.binary()), [], [])
+        idx = np.concatenate(good_idx) if good_idx else np.zeros(0, np.int64)
+        bodies = pa.concat_arrays(good_bodies) if good_bodies else pa.array([], pa.binary())
+        if not routed and len(idx):
+            mine = np.array([row_partition(b, n) == wp for b in bodies.to_pylist()], bool)
+            bodies, idx = bodies.filter(pa.array(mine)), idx[mine]
+        keys = pc.binary_join_element_wise(pa.scalar(self.header, pa.binary()), bodies, pa.scalar(b"", pa.binary()))
+        out = Rows.of(keys, all_times[idx], all_diffs[idx], pa.array([], pa.binary()), [], [])
         return Rows(out.keys, out.times, out.diffs, out.error_keys, out.error_times, out.error_diffs, tuple(unwritable))
 
     def absorb_unwritable(self, ws: WriteState, rows: Rows) -> None:
