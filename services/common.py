@@ -492,6 +492,8 @@ class Supervisor:
                     self.on_change(want)
             failed = runner.query is not None and not runner.query.isActive
             if want is None or want.epoch != runner.sink.epoch or failed:
+                if not failed and self._initializing(runner):
+                    continue  # stopped at a later poll, once its sources are up
                 if failed:
                     exc = runner.query.exception()
                     n = self._failures.get(sink_id, (0, 0.0))[0]
@@ -522,6 +524,19 @@ class Supervisor:
                 log.info("started %s for sink", self.name, extra={"sink_id": sink_id})
                 self.running[sink_id] = SinkRunner(sink, query)
                 self._started_at[sink_id] = self.clock()
+
+    def _initializing(self, runner: SinkRunner) -> bool:
+        """Whether a query is still starting its sources (at most a minute after its start).
+        A query stopped then leaves the Python processes Spark is starting for its sources
+        unable to connect back, each printing a traceback on the service's stderr; a dropped
+        sink's query is stopped once they are up, a poll or a few later."""
+        query = runner.query
+        if query is None or self.clock() - self._started_at.get(runner.sink.sink_id, 0.0) > 60.0:
+            return False
+        try:
+            return bool(query.isActive and query.status.get("message") == "Initializing sources")
+        except Exception:  # noqa: BLE001 - a query that cannot say is not waited for
+            return False
 
     def _stop_runner(self, runner: SinkRunner) -> None:
         name = None
