@@ -188,6 +188,35 @@ def test_produce_with_a_bad_line_sends_nothing_and_says_so(
     assert sorted((m.time, m.diff) for m in msgs if isinstance(m, DesiredUpdate)) == [(0, 1), (1, 1), (5, 1)]
 
 
+def test_produce_failing_half_way_says_what_may_have_landed(
+    env: ControllerSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The input was checked whole; a broker that fails the sending half way is one line that
+    says how much may be on the topic (re-running would send it again)."""
+    from shared.errors import KafkaDeliveryError
+    from shared.io.desired_producer import DesiredProducer
+
+    topic = f"surface-half-{uuid.uuid4().hex[:8]}"
+    real_flush = DesiredProducer.flush
+    flushes: list[int] = []
+
+    def failing_flush(self: DesiredProducer) -> None:
+        flushes.append(1)
+        if len(flushes) == 2:  # the first progress line's promise (advance_to flushes before and after it)
+            raise KafkaDeliveryError("expected the records delivered, found broker down")
+        real_flush(self)
+
+    monkeypatch.setattr(DesiredProducer, "flush", failing_flush)
+    data = _lines(tmp_path / "half.jsonl", {"row": {"k": 1, "v": "a"}, "time": 0}, {"progress": 1},
+                  {"row": {"k": 2, "v": "b"}, "time": 1}, {"row": {"k": 3, "v": "c"}, "time": 2}, {"progress": 3})
+    code, out, err = run(capsys, "produce", "--topic", topic, "--schema", _schema_file(tmp_path), "--partitions", "1",
+                         "--input", data)
+    assert (code, out) == (2, "")
+    assert err == ("error: KafkaDeliveryError: expected the records delivered, found broker down; up to 1 of the "
+                   f"input's 3 updates and 1 progress statements may be on {topic!r}: the sink counts each update "
+                   "as often as it lands\n"), err
+
+
 def test_produce_refuses_times_below_the_progress_of_the_topic(
     env: ControllerSettings, stack: EmbeddedStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -44,7 +44,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
-from shared.errors import ContractViolationError, EncodeError, InvalidUsageError, KafkaConfigError
+from shared.errors import ContractViolationError, EncodeError, InvalidUsageError, KafkaAdapterError, KafkaConfigError
 
 _DESCRIPTION = """\
 Produce a desired collection to its Kafka topic, from JSON lines or CSV.
@@ -483,8 +483,8 @@ def _produce(args: argparse.Namespace) -> int:
             )
         frontier = seen[1] if seen is not None and seen[1] is not None else Frontier.minimum()
         try:  # 1. check everything; nothing is sent yet
-            check_input(read_numbered(args, stream, schema), codec, frontier, topic=args.topic,
-                        advance=(advance, advance_to))
+            checked = check_input(read_numbered(args, stream, schema), codec, frontier, topic=args.topic,
+                                  advance=(advance, advance_to))
         except (EncodeError, ContractViolationError) as e:
             raise type(e)(f"{e}; nothing was produced to {args.topic!r}", **e.fields) from None
         stream.seek(0)
@@ -492,15 +492,24 @@ def _produce(args: argparse.Namespace) -> int:
             ensure_topic(settings, args.topic, args.partitions)
         producer = stack.enter_context(DesiredProducer(settings, args.topic, schema, frontier=frontier))
         bar = stack.enter_context(ProgressBar(f"produce {args.topic}", unit="updates"))
-        for n, kind, payload in read_numbered(args, stream, schema):
-            if kind == "update":
-                row, time, diff = payload
-                producer.send_encoded(encode_row(codec, row, n), time, diff)
-                bar.update()
-            else:
-                producer.advance_to(payload)
-        if advance:
-            producer.advance_to(advance_to)
+        try:
+            for n, kind, payload in read_numbered(args, stream, schema):
+                if kind == "update":
+                    row, time, diff = payload
+                    producer.send_encoded(encode_row(codec, row, n), time, diff)
+                    bar.update()
+                else:
+                    producer.advance_to(payload)
+            if advance:
+                producer.advance_to(advance_to)
+            producer.flush()
+        except KafkaAdapterError as e:  # the broker failed us half way: say what may have landed
+            producer.abort()
+            raise type(e)(
+                f"{e}; up to {producer.sent_updates} of the input's {checked.updates} updates and "
+                f"{producer.sent_progress} progress statements may be on {args.topic!r}: the sink "
+                "counts each update as often as it lands", **e.fields,
+            ) from None
     print_json(
         {
             "topic": args.topic,
