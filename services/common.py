@@ -446,7 +446,7 @@ class Supervisor:
     reap: Callable[[Callable[[str], bool]], Any] | None = None
     _reaped: bool = False
     #: Called with the sink and the exception of a query that failed (before its restart).
-    on_failure: Callable[[SinkDef, Any], None] | None = None
+    on_failure: Callable[[SinkDef, Any], object] | None = None
 
     def _keep_checkpoint(self, name: str, live: dict[str, SinkDef]) -> bool:
         owner = checkpoint_owner(name)

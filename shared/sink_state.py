@@ -805,7 +805,7 @@ class WriteState:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as w:
             w.write_table(table)
-        return sink.getvalue().to_pybytes()
+        return bytes(sink.getvalue().to_pybytes())
 
     @staticmethod
     def from_checkpoint(data: bytes) -> WriteState:

@@ -385,11 +385,11 @@ def open_input(path: str, stack: contextlib.ExitStack) -> IO[str]:
         while chunk := sys.stdin.read(1 << 20):
             spool.write(chunk)
         spool.seek(0)
-        return spool  # type: ignore[return-value]
+        return spool
     try:
         return stack.enter_context(open(path, encoding="utf-8", newline=""))
     except OSError as e:
-        raise InvalidUsageError(f"expected a readable input file {path!r}, found {e.strerror.lower()}",
+        raise InvalidUsageError(f"expected a readable input file {path!r}, found {(e.strerror or str(e)).lower()}",
                                 path=path) from None
 
 
