@@ -135,8 +135,11 @@ catalog and the shards on S3 directly (no controller needed; nothing is created)
 
 lag is the desired frontier of the collection's sinks (the last progress statement of every
 partition of the desired topic, among its last --lag-window messages) minus the upper, in
-time units; - when there is no sink or no progress statement was found. The upper is not
-compared with the wall clock: times are the producer's, not necessarily milliseconds."""
+time units; - when there is no sink or no progress statement was found, or no Kafka broker
+can be reached (a warning says so; the rest is shown at once). The upper is not compared
+with the wall clock: times are the producer's, not necessarily milliseconds. A sink whose
+write micro-batch keeps failing on its input, or whose writer quarantined input, is warned
+of too."""
 
 
 # ==================================================================================================
