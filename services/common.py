@@ -389,7 +389,14 @@ def spark_session(settings: ServiceSettings, app_name: str) -> Any:
             # In local mode everything is on this machine: bind to loopback, without Spark's
             # warning that the hostname resolves to it.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    spark = with_service_defaults(builder).getOrCreate()
+    import contextlib
+
+    from services.jvm import jvm_stderr_filtered
+
+    # The JVM we launch writes its stderr without the JDK's incubator-module notice (jvm.py).
+    launching = not os.environ.get("PYSPARK_GATEWAY_PORT")
+    with jvm_stderr_filtered() if launching else contextlib.nullcontext():
+        spark = with_service_defaults(builder).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     from shared.io.spark_kafka import register_kafka_source
 
@@ -439,7 +446,7 @@ class Supervisor:
     reap: Callable[[Callable[[str], bool]], Any] | None = None
     _reaped: bool = False
     #: Called with the sink and the exception of a query that failed (before its restart).
-    on_failure: Callable[[SinkDef, Any], None] | None = None
+    on_failure: Callable[[SinkDef, Any], object] | None = None
 
     def _keep_checkpoint(self, name: str, live: dict[str, SinkDef]) -> bool:
         owner = checkpoint_owner(name)
@@ -485,6 +492,8 @@ class Supervisor:
                     self.on_change(want)
             failed = runner.query is not None and not runner.query.isActive
             if want is None or want.epoch != runner.sink.epoch or failed:
+                if not failed and self._initializing(runner):
+                    continue  # stopped at a later poll, once its sources are up
                 if failed:
                     exc = runner.query.exception()
                     n = self._failures.get(sink_id, (0, 0.0))[0]
@@ -515,6 +524,19 @@ class Supervisor:
                 log.info("started %s for sink", self.name, extra={"sink_id": sink_id})
                 self.running[sink_id] = SinkRunner(sink, query)
                 self._started_at[sink_id] = self.clock()
+
+    def _initializing(self, runner: SinkRunner) -> bool:
+        """Whether a query is still starting its sources (at most a minute after its start).
+        A query stopped then leaves the Python processes Spark is starting for its sources
+        unable to connect back, each printing a traceback on the service's stderr; a dropped
+        sink's query is stopped once they are up, a poll or a few later."""
+        query = runner.query
+        if query is None or self.clock() - self._started_at.get(runner.sink.sink_id, 0.0) > 60.0:
+            return False
+        try:
+            return bool(query.isActive and query.status.get("message") == "Initializing sources")
+        except Exception:  # noqa: BLE001 - a query that cannot say is not waited for
+            return False
 
     def _stop_runner(self, runner: SinkRunner) -> None:
         name = None

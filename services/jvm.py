@@ -23,16 +23,29 @@ bursts after a 100k warm-up, the services used 7.4-7.9 CPU-seconds with C1 only 
 
 The options go in ``spark.driver.defaultJavaOptions`` so that a user's
 ``spark.driver.extraJavaOptions`` (``PYSPARK_SUBMIT_ARGS``) is added to them, not replaced.
+
+The JVM's stderr (:func:`jvm_stderr_filtered`). Spark's launcher adds
+``--add-modules=jdk.incubator.vector`` to every JVM it starts
+(``org.apache.spark.launcher.JavaModuleOptions``, unconditionally: the Vector API speeds up
+MLlib's BLAS, which the services do not use), and the JDK's module system answers every
+start with ``WARNING: Using incubator modules: jdk.incubator.vector`` on stderr. Neither has
+a switch: the launcher has no setting that leaves the module out, and the JDK prints the
+notice whenever an incubating module is resolved. So a service launches its JVM with its
+stderr through a small filter process that drops that one line and passes every other byte
+on, unchanged and at once: Spark's log lines, Java stack traces and the Python workers'
+output still reach the terminal. The filter lives as long as anything holds the pipe (the
+JVM and the workers it starts), so nothing printed at shutdown is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 #: Where the archive lives: beside the installation's Python (the venv or the image).
@@ -55,6 +68,55 @@ def driver_java_options(env: Mapping[str, str] | None = None) -> str:
     if jit == "c1":
         options.append("-XX:TieredStopAtLevel=1")
     return " ".join(options)
+
+
+#: The JDK's notice at every start of a JVM that Spark's launcher started (module docstring).
+INCUBATOR_NOTICE = "WARNING: Using incubator modules: jdk.incubator.vector"
+
+#: The filter: every line but the notice, unbuffered; Ctrl-C is the services' to handle (the
+#: JVM ignores it too), so the filter outlives it and passes on what the JVM prints after.
+_FILTER = r"""
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+notice, out = sys.argv[1].encode(), sys.stdout.buffer
+try:
+    for line in sys.stdin.buffer:
+        if line.rstrip(b"\r\n") != notice:
+            out.write(line)
+            out.flush()
+except OSError:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def jvm_stderr_filtered(notice: str = INCUBATOR_NOTICE) -> Iterator[None]:
+    """Processes started inside (the driver JVM, launched by pyspark) write their stderr
+    through a filter process that drops the line ``notice`` and passes everything else on to
+    this process's stderr. This process's own stderr is restored on exit. A stderr without a
+    file descriptor (a test's capture) is left alone."""
+    try:
+        target = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    try:
+        subprocess.Popen(
+            [sys.executable, "-S", "-c", _FILTER, notice], stdin=read_end, stdout=target, close_fds=True
+        )
+    finally:
+        os.close(read_end)
+    saved = os.dup(target)
+    os.dup2(write_end, target)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, target)
+        os.close(saved)
 
 
 _WORKLOAD = r"""

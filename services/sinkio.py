@@ -331,7 +331,8 @@ class DesiredDecoder:
                 row.set(i, self.row_codec.canonical(rows[j].as_py()))
             except DecodeError as e:
                 kind[i] = _K_BAD
-                err.set(i, f"row does not match the collection schema at {self.desired_topic}/{int(part[i])}@{int(off[i])}: {e}")
+                err.set(i, f"row does not match the collection schema at {self.desired_topic}/{int(part[i])}@{int(off[i])}: "
+                           f"{e}: {_row_bytes(rows[j].as_py())}")
 
     def _one(self, i: int, rb: pa.RecordBatch, val: pa.Array, kind: Any, row: Column, tm: Any, has_tm: Any,
              diff: Any, has_diff: Any, fr: Any, has_fr: Any, closed: Any, err: Column, part: Any, off: Any) -> None:
@@ -355,7 +356,7 @@ class DesiredDecoder:
             msg = decode_desired(v if v is not None else b"")
         except DecodeError as e:
             kind[i] = _K_BAD
-            err.set(i, f"undecodable desired message at {where}: {e}")
+            err.set(i, f"undecodable desired message at {where}: {e}: {_row_bytes(v, what='message')}")
             return
         if isinstance(msg, DesiredProgress):
             kind[i] = _K_PROGRESS
@@ -382,7 +383,7 @@ class DesiredDecoder:
             row.set(i, self.row_codec.canonical(msg.row))
         except DecodeError as e:
             kind[i] = _K_BAD
-            err.set(i, f"row does not match the collection schema at {where}: {e}")
+            err.set(i, f"row does not match the collection schema at {where}: {e}: {_row_bytes(msg.row)}")
 
 
 class Column:
@@ -437,6 +438,15 @@ class Column:
 
 ROUTED_SCHEMA = pa.schema([pa.field("wp", pa.int32()), *DECODED_SCHEMA])
 ROUTED_DDL = "wp int, " + DECODED_DDL
+
+
+def _row_bytes(row: bytes | None, limit: int = 256, what: str = "row") -> str:
+    """A row (or message) that does not decode, as what it is: its bytes in hex (the first
+    ``limit``)."""
+    if not row:
+        return f"no {what} bytes"
+    shown = row[:limit].hex()
+    return f"{what} bytes {shown}" + (f"... ({len(row)} bytes)" if len(row) > limit else "")
 
 
 def _quarantined(topic: str, part: int, off: int, why: str, row: bytes | None, codec: Any) -> str:
@@ -594,7 +604,10 @@ class ControlProducer:
         self._errors: list[Any] = []
 
     @staticmethod
-    def create(kafka_settings: Any, client_id: str) -> ControlProducer:
+    def create(kafka_settings: Any, client_id: str, *, auto_create_topics: bool = True) -> ControlProducer:
+        """``auto_create_topics=False``: a topic missing at a metadata refresh stays missing (a
+        producer that only writes topics made beforehand, and that others may delete: the
+        controller, whose subscribers delete their output topics)."""
         from confluent_kafka import Producer
 
         from services.common import faults_from_env
@@ -609,6 +622,7 @@ class ControlProducer:
                 "client.id": client_id,
                 "linger.ms": 2,
                 "logger": logging.getLogger("shardsink.kafka.client"),
+                **({} if auto_create_topics else {"allow.auto.create.topics": False}),
             }
         )
         faults = faults_from_env()  # test only (SHARDSINK_FAULTS): injected delivery errors

@@ -477,22 +477,51 @@ def quarantine_key(sink_id: str, epoch: int) -> str:
     return f"{HEALTH_ROOT}/{sink_id}-e{epoch}.quarantine.json"
 
 
-def sink_quarantine(store: ObjectStore, sink_id: str, epoch: int) -> list[dict[str, Any]]:
-    """The input ranges the write service quarantined for a sink's epoch (each: ``topic``,
-    ``partition``, ``start``, ``end``, ``batch_id``, ``failures``, ``reason``, ``at_ms``)."""
+def quarantine_record(store: ObjectStore, sink_id: str, epoch: int) -> dict[str, Any]:
+    """The sink epoch's quarantine object: ``ranges`` quarantined so far and ``failing``, the
+    micro-batch failing now (``batch_id``, ``failures``, ``reason``, ``at_ms``) or None."""
     from shared.errors import ObjectNotFoundError
 
     try:
-        return list(json.loads(store.get(quarantine_key(sink_id, epoch)))["ranges"])
+        record = dict(json.loads(store.get(quarantine_key(sink_id, epoch))))
     except ObjectNotFoundError:
-        return []
+        record = {}
+    return {"sink_id": sink_id, "epoch": epoch, "ranges": list(record.get("ranges", [])),
+            "failing": record.get("failing")}
+
+
+def sink_quarantine(store: ObjectStore, sink_id: str, epoch: int) -> list[dict[str, Any]]:
+    """The input ranges the write service quarantined for a sink's epoch (each: ``topic``,
+    ``partition``, ``start``, ``end``, ``batch_id``, ``failures``, ``reason``, ``at_ms``)."""
+    return list(quarantine_record(store, sink_id, epoch)["ranges"])
+
+
+def sink_failing(store: ObjectStore, sink_id: str, epoch: int) -> dict[str, Any] | None:
+    """The write micro-batch of a sink's epoch that failed on its input and is not yet
+    quarantined (``batch_id``, ``failures``, ``reason``, ``at_ms``), or None."""
+    failing = quarantine_record(store, sink_id, epoch)["failing"]
+    return dict(failing) if failing else None
+
+
+def count_sink_failure(store: ObjectStore, sink_id: str, epoch: int, batch_id: int, reason: str) -> int:
+    """One more failure of micro-batch ``batch_id`` on its input; returns how many in a row
+    (a failure of another batch starts again at 1). Kept in the quarantine object, so the
+    count survives a restart of the write service (one writer per sink: its driver)."""
+    record = quarantine_record(store, sink_id, epoch)
+    prev = record["failing"]
+    failures = int(prev["failures"]) + 1 if prev and int(prev["batch_id"]) == batch_id else 1
+    record["failing"] = {"batch_id": batch_id, "failures": failures, "reason": reason, "at_ms": now_ms()}
+    store.put(quarantine_key(sink_id, epoch), json.dumps(record).encode())
+    return failures
 
 
 def add_sink_quarantine(store: ObjectStore, sink_id: str, epoch: int, ranges: list[dict[str, Any]]) -> None:
-    """Record more quarantined ranges (one writer per sink: the write service's driver)."""
-    old = sink_quarantine(store, sink_id, epoch)
-    entries = [{**r, "at_ms": now_ms()} for r in ranges]
-    store.put(quarantine_key(sink_id, epoch), json.dumps({"sink_id": sink_id, "epoch": epoch, "ranges": old + entries}).encode())
+    """Record more quarantined ranges; the failing micro-batch they come from is failing no
+    more (one writer per sink: the write service's driver)."""
+    record = quarantine_record(store, sink_id, epoch)
+    record["ranges"] = record["ranges"] + [{**r, "at_ms": now_ms()} for r in ranges]
+    record["failing"] = None
+    store.put(quarantine_key(sink_id, epoch), json.dumps(record).encode())
 
 
 def allow_writes_transition(sink_id: str) -> Transition:

@@ -189,6 +189,11 @@ class CommandError(ShardsinkError):
     """A controller command was rejected; ``kind`` names the typed error in the response."""
 
 
+class ControllerNotFoundError(ShardsinkError):
+    """No controller to answer a command: none has claimed the catalog, or its commands or
+    responses topic does not exist (found before anything is sent or created)."""
+
+
 class SinkProtocolError(ShardsinkError):
     """A message or call breaks the mint / write / append protocol (shared.sink_state): two
     descriptions with the same lower and epoch, a read-back batch that leaves a gap, a report
@@ -221,6 +226,7 @@ ERROR_KINDS: dict[str, tuple[str, str]] = {
     "KafkaConfigError": ("", "Kafka client settings librdkafka refuses"),
     "ObjectStoreError": ("", "the S3 endpoint or bucket cannot be reached or refused a request"),
     "CatalogNotFoundError": ("", "no catalog at this bucket and prefix (nothing was created)"),
+    "ControllerNotFoundError": ("", "no controller serves this catalog, or not on these topics (nothing was sent)"),
 }
 
 #: A controller's ``Error.kind`` -> the CLI's kind.

@@ -603,6 +603,60 @@ class Shard:
             lo = hi = None
         return StagedBatch(self.shard_id, tuple(parts), table.num_rows, lo, hi, self.clock())
 
+    def staged_from_keys(self, keys: Sequence[str]) -> StagedBatch:
+        """The handle of data objects another process staged for this shard (a client's
+        all-or-nothing append), checked before anything references them: each key is an
+        object under this shard's ``data/`` that no state references yet, in the part schema,
+        with rows and no error rows, and every row a value of the shard's schema. Its age is
+        the oldest object's, as the store dates it, so the append's age check guards them
+        against GC like any staged batch. InvalidUsageError, SchemaMismatchError or
+        EncodeError name the first object that fails."""
+        from shared.avro_columns import ColumnCodec
+
+        prefix = f"{self.prefix}data/"
+        if not keys:
+            raise InvalidUsageError("expected at least one staged data object, found none", shard_id=self.shard_id)
+        if len(set(keys)) != len(keys):
+            raise InvalidUsageError(f"expected distinct staged data objects, found {sorted(keys)}", shard_id=self.shard_id)
+        protected = self.refresh().protected_keys()
+        for k in keys:
+            name = k[len(prefix):] if k.startswith(prefix) else ""
+            if not name.endswith(".parquet") or "/" in name or ".." in name:
+                raise InvalidUsageError(f"expected staged data objects under {prefix!r}, found {k!r}", shard_id=self.shard_id)
+            if k in protected:
+                raise InvalidUsageError(f"expected staged data objects no batch holds yet, found {k!r} in the shard",
+                                        shard_id=self.shard_id)
+        target = self.part_schema
+        columns = ColumnCodec(self.head(max_age_s=1e9).schema)
+        parts: list[Part] = []
+        lo: int | None = None
+        hi: int | None = None
+        created: int | None = None
+        for k in keys:
+            info = next((i for i in self.store.list(k) if i.key == k), None)
+            if info is None:
+                raise InvalidUsageError(f"expected the staged data object {k!r}, found none (never staged, or "
+                                        "collected after the grace period)", shard_id=self.shard_id)
+            data = self.store.get(k)
+            try:
+                table = pq.read_table(io.BytesIO(data))
+            except (pa.ArrowInvalid, OSError) as e:
+                raise InvalidUsageError(f"expected a Parquet data object at {k!r}, found: {e}", shard_id=self.shard_id) from None
+            if not table.schema.remove_metadata().equals(target):
+                raise SchemaMismatchError(f"expected the part schema {target} in {k!r}, found {table.schema.remove_metadata()}",
+                                          shard_id=self.shard_id)
+            if table.num_rows == 0 or table[ERROR].null_count != table.num_rows:
+                raise InvalidUsageError(f"expected rows and no error rows in {k!r}, found {table.num_rows} rows, "
+                                        f"{table.num_rows - table[ERROR].null_count} of them error rows", shard_id=self.shard_id)
+            columns.encode(table.select(self.row_columns))  # EncodeError: a value the schema cannot hold
+            mm = pc.min_max(table[TIME])
+            lo = mm["min"].as_py() if lo is None else min(lo, mm["min"].as_py())
+            hi = mm["max"].as_py() if hi is None else max(hi, mm["max"].as_py())
+            created = info.last_modified_ms if created is None else min(created, info.last_modified_ms)
+            parts.append(Part(key=k, rows=table.num_rows, bytes=len(data)))
+        assert created is not None
+        return StagedBatch(self.shard_id, tuple(parts), sum(p.rows for p in parts), lo, hi, created)
+
     def delete_staged(self, staged: StagedBatch | Sequence[StagedBatch]) -> int:
         """Delete staged data objects that the head does not reference. Returns the count."""
         batches = [staged] if isinstance(staged, StagedBatch) else list(staged)

@@ -505,10 +505,13 @@ class WriteState:
         """This partition's progress statement (regressions are ignored)."""
         self.desired_frontier = self.desired_frontier.join(as_frontier(frontier))
 
-    def absorb_desired_updates(self, keys: Keys, times: TimesLike, diffs: DiffsLike = 1) -> int:
+    def absorb_desired_updates(
+        self, keys: Keys, times: TimesLike, diffs: DiffsLike = 1, *, describe: Callable[[int], str] | None = None
+    ) -> int:
         """Insert desired updates. Updates below this partition's progress break the
-        contract: each goes to the error collection at its time instead. Returns the number
-        of violations."""
+        contract: each goes to the error collection at its time instead, its error naming
+        the update by ``describe(i)`` (``i`` indexes the given updates: where it came from and
+        its row) when given. Returns the number of violations."""
         k = _binary(keys)
         n = len(k)
         if n == 0:
@@ -543,7 +546,7 @@ class WriteState:
             error_key(
                 self.partition,
                 f"expected an update at a time beyond the partition's progress {fmsg}, "
-                f"found one at time {int(t[i])}",
+                f"found one at time {int(t[i])}" + (f" ({describe(i)})" if describe is not None else ""),
             )
             for i in bad_idx.tolist()
         ]
@@ -827,7 +830,7 @@ class WriteState:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as w:
             w.write_table(table)
-        return sink.getvalue().to_pybytes()
+        return bytes(sink.getvalue().to_pybytes())
 
     @staticmethod
     def from_checkpoint(data: bytes) -> WriteState:

@@ -147,3 +147,50 @@ def test_supervisor_backs_off_a_failing_query_and_stops_dropped_ones(stack: Embe
     clock[0] = 100.0
     sup.poll_once()
     assert sup.running == {}
+
+
+def test_supervisor_stops_a_dropped_sinks_query_once_its_sources_are_up(stack: EmbeddedStack, unique_id: str) -> None:
+    """A query stopped while Spark starts its sources' Python processes leaves them unable to
+    connect back (a traceback each on stderr): a sink dropped then is stopped a poll later."""
+    from services.common import ServiceSettings, Supervisor
+
+    settings = ServiceSettings.from_env_and_args(None, {**stack.env(), "SHARDSINK_S3_PREFIX": f"sup-init-{unique_id}"})
+    cat = settings.catalog()
+    cat.create_collection(CollectionDef("c", SCHEMA))
+    cat.create_sink(SinkDef("s", "t", "c"))
+
+    class StartingQuery:
+        isActive = True
+        name = "starting"
+        message = "Initializing sources"
+        stopped = False
+
+        @property
+        def status(self) -> dict[str, str]:
+            return {"message": self.message}
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    query = StartingQuery()
+    clock = [0.0]
+    sup = Supervisor("t", settings, lambda sink: query, clock=lambda: clock[0])
+    sup.poll_once()
+    assert "s" in sup.running
+    cat.drop_sink("s")
+    clock[0] = 2.0
+    sup.poll_once()
+    assert "s" in sup.running and not query.stopped  # its sources are still starting
+    query.message = "Waiting for data to arrive"
+    clock[0] = 3.0
+    sup.poll_once()
+    assert sup.running == {} and query.stopped
+    # A query stuck initializing is stopped anyway a minute after its start.
+    cat.create_sink(SinkDef("s2", "t", "c"))
+    stuck = StartingQuery()
+    sup2 = Supervisor("t2", settings, lambda sink: stuck, clock=lambda: clock[0])
+    sup2.poll_once()
+    cat.drop_sink("s2")
+    clock[0] = 70.0
+    sup2.poll_once()
+    assert "s2" not in sup2.running and stuck.stopped

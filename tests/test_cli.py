@@ -132,7 +132,9 @@ def test_cli_end_to_end_create_append_peek_tail_status_drop(
                          "--chunk-rows", "4")
     assert code == 0, err
     summary = json.loads(out)
-    assert summary["updates"] == len(ups) and summary["upper"] == 4 and summary["appends"] >= 3, summary
+    # More updates than --chunk-rows: staged in data objects of 4 updates, appended by one command.
+    assert summary == {"collection": "cli1", "updates": len(ups), "appends": 1, "staged_parts": 4, "upper": 4}, summary
+    assert len(Shard(cs.service.store(), "cli1").refresh().batches) == 1
 
     # Peek as a table, for every readable time.
     for as_of in range(4):
@@ -365,7 +367,12 @@ def test_cli_csv_append_and_tail_cancelled_by_ctrl_c(env: ControllerSettings, tm
     out, err = "".join(seen) + rest.out, rest.err
     assert code == 130, err
     assert sorted(_tail_lines(out)[0]) == [(0, (1, "a"), 1), (1, (2, "b"), 1), (1, (3, "c,d"), 1)]
-    assert "cancelled subscribe" in err
+    assert "cancelled subscribe" in err and "left on the broker" not in err, err
+    # Its fresh topic went once the controller had ended the subscribe.
+    from confluent_kafka.admin import AdminClient
+
+    topics = AdminClient({"bootstrap.servers": env.service.kafka.bootstrap}).list_topics(timeout=10).topics
+    assert not [t for t in topics if t.startswith("shardsink-tail-cli3-")], list(topics)
 
     def cancelled() -> bool:
         subs = ControllerSection.from_extra(Catalog(store).state().extra).subs

@@ -124,6 +124,21 @@ EXAMPLES: dict[str, list[Any]] = {
                     ],
                     "expected_upper": 3,
                     "new_upper": None,
+                    "staged_parts": [],
+                },
+            ),
+        },
+        {
+            "command_id": "c9s",
+            "issued_at_ms": None,
+            "body": tagged(
+                "Append",
+                {
+                    "collection_id": "x",
+                    "updates": [],
+                    "expected_upper": None,
+                    "new_upper": 9,
+                    "staged_parts": ["shards/x/data/0123.parquet", "shards/x/data/4567.parquet"],
                 },
             ),
         },

@@ -20,3 +20,34 @@ def test_the_class_data_archive_is_used_when_it_exists_and_not_when_turned_off()
     opts = driver_java_options({})
     assert (f"-XX:SharedArchiveFile={ARCHIVE}" in opts) == ARCHIVE.is_file()
     assert "SharedArchiveFile" not in driver_java_options({"SHARDSINK_SPARK_CDS": "off"})
+
+
+def test_a_launched_jvm_writes_stderr_without_the_incubator_notice_and_nothing_else_is_lost() -> None:
+    """A JVM started with the module Spark's launcher adds prints the JDK's notice; started
+    inside ``jvm_stderr_filtered`` it does not, and every other line reaches stderr: the
+    JVM's own, the parent's, and what a child prints after the parent left the block."""
+    import shutil
+    import subprocess
+    import sys
+
+    java = shutil.which("java")
+    assert java is not None
+    script = f"""
+import subprocess, sys, time
+from services.jvm import jvm_stderr_filtered
+print("parent before", file=sys.stderr, flush=True)
+with jvm_stderr_filtered():
+    subprocess.run([{java!r}, "--add-modules=jdk.incubator.vector", "-version"], check=True)
+    late = subprocess.Popen([sys.executable, "-c",
+                             "import sys, time; time.sleep(0.5); print('child after', file=sys.stderr)"])
+print("parent after", file=sys.stderr, flush=True)
+late.wait()
+"""
+    bare = subprocess.run([java, "--add-modules=jdk.incubator.vector", "-version"], capture_output=True, text=True)
+    assert "WARNING: Using incubator modules: jdk.incubator.vector" in bare.stderr.splitlines()  # the cause, unfiltered
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    # Every other line, once (the filter's lines may interleave with the parent's own).
+    expected = ["parent before", *(ln for ln in bare.stderr.splitlines() if "incubator" not in ln), "parent after",
+                "child after"]
+    assert "incubator" not in p.stderr and sorted(p.stderr.splitlines()) == sorted(expected), p.stderr
+    assert p.stderr.splitlines()[0] == "parent before" and any("openjdk" in ln.lower() for ln in expected)

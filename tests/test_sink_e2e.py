@@ -616,6 +616,15 @@ def test_bad_rows_and_contract_violations_land_in_the_error_collection(
     assert (
         sum("beyond the partition's progress" in e and f"time {f - 1}" in e for e in kinds) == 1
     ), kinds
+    # Each error keeps what it was about: the late update its source offset, diff and row; the
+    # others their bytes.
+    late = next(e for e in kinds if "beyond the partition's progress" in e)
+    assert f"(update at {topic}/{work.producer.partition_of(good_row)}@" in late, late
+    assert late.endswith(', diff 1: row {"k": 7, "v": "late"})'), late
+    other_row = RowCodec(other).encode({"x": 1.5})
+    assert sum(e.endswith(f"row bytes {other_row.hex()}") for e in kinds) == 1, kinds
+    not_a_message = b"\x00not a desired message\xff"
+    assert sum(e.endswith(f"message bytes {not_a_message.hex()}") for e in kinds) == 1, kinds
     assert (7, "late") not in contents.rows, "expected the late update in the error collection only"
     m = h.services.writers[sid].metrics
     assert (m.decode_errors, m.contract_violations) == (2, 1), (

@@ -263,6 +263,28 @@ def test_junk_in_the_shard_is_corrected() -> None:
     assert out.updates.to_list() == [(b"b", 3, 1), (b"junk", 3, -1)]
 
 
+def test_a_contract_violation_names_the_update_it_was() -> None:
+    w = writer(partition=1, parts=2)
+    w.absorb_desired_progress(5)
+    described: list[int] = []
+
+    def describe(i: int) -> str:
+        described.append(i)
+        return f"update at t/1@{40 + i}, diff {[1, -1, 1][i]}: row r{i}"
+
+    assert w.absorb_desired_updates([b"ok", b"late", b"late2"], [6, 2, 4], [1, -1, 1], describe=describe) == 2
+    assert described == [1, 2]  # only the violations are described
+    w.absorb_desired_progress(8)
+    out = w.maybe_write(desc(0, 8, parts=2))
+    assert isinstance(out, Stage)
+    assert sorted((k.decode(), t, d) for k, t, d in out.errors.to_list()) == [
+        ("partition 1: expected an update at a time beyond the partition's progress {5}, found one at time 2 "
+         "(update at t/1@41, diff -1: row r1)", 2, 1),
+        ("partition 1: expected an update at a time beyond the partition's progress {5}, found one at time 4 "
+         "(update at t/1@42, diff 1: row r2)", 4, 1),
+    ]
+
+
 def test_contract_violations_and_bad_rows_go_to_the_error_collection() -> None:
     w = writer(partition=1, parts=2)
     w.absorb_desired_progress(5)

@@ -339,8 +339,77 @@ def test_out_of_range_and_mistyped_values_land_in_the_error_collection_and_the_s
     ):
         assert reason in text, f"expected an error naming {reason!r}, found:\n{text}"
     assert all(f"{topic}/" in e and "@" in e for e in errors), f"expected source offsets, found {errors}"
+    # Each keeps the bytes it carried (the row's, or the whole message's) ...
+    for value in bad.values():
+        assert sum(e.endswith(f"row bytes {value.hex()}") for e in errors) == 1, (value.hex(), errors)
+    unknown = b"\xc3\x01" + b"\x00" * 8 + b"\x02"  # a row framed with no schema's fingerprint
+    assert sum(e.endswith(f"row bytes {unknown.hex()}") for e in errors) == 1, errors
+    # ... and is an error row at its own time: in the snapshot at that time, not before.
+    at = {**{v: f + i % 3 for i, v in enumerate(bad.values())}, unknown: f + 1, header + b"\x02\x00": f + 2}
+    for value, t in at.items():
+        (err,) = [e for e in errors if e.endswith(f"row bytes {value.hex()}")]
+        assert err in contents(shard, codec, t)[1] and err not in contents(shard, codec, t - 1)[1], (t, err)
 
     # The sink goes on: later steps land, the errors stay exactly once.
     work.step(n=15)
     _, again = converge(h, shard, work, sid)
     assert again == errors
+
+
+def test_a_shard_row_the_schema_cannot_hold_becomes_an_error_row_and_the_sink_goes_on(
+    h: Harness, unique_id: str
+) -> None:
+    """A row in the shard that no row of the schema can hold (written there by hand: a null in
+    a non-nullable field) has no key for the correction buffer to correct it by. The write
+    step meets it in its read-back and, instead of skipping it in silence, puts one error row
+    in the error collection naming it (its time, diff, reason and contents) at the first time
+    it can write; the good rows reach the shard at every step and the error stays once."""
+    import pyarrow as pa
+
+    schema = {"type": "record", "name": "Kv", "fields": [{"name": "k", "type": "long"}, {"name": "v", "type": "string"}]}
+    cid, sid, topic = f"c-unwritable-{unique_id}", f"s-unwritable-{unique_id}", f"desired-unwritable-{unique_id}"
+    shard = h.collection(cid, schema, topic, partitions=2)
+    # 40 rows, two of them without a key (k null), in one object no writer partition tagged
+    ks = [None if i in (9, 30) else i for i in range(40)]
+    by_hand = pa.table({"k": pa.array(ks, pa.int64()), "v": ["no key" if k is None else "kept" for k in ks],
+                        "_time": pa.array([0] * 40, pa.uint64()), "_diff": pa.array([1] * 40, pa.int64())})
+    shard.compare_and_append(by_hand, 0, 1)
+    producer = DesiredProducer(h.settings.kafka, topic, schema)
+    work = TypedWorkload(producer, lambda rng, i: {"k": 100 + i, "v": rng.choice("xyz")}, seed=3)
+    for k in ks:  # the desired collection holds the good rows
+        if k is not None:
+            producer.send({"k": k, "v": "kept"}, 0, 1)
+            work.updates.append((work.codec.encode({"k": k, "v": "kept"}), 0, 1))
+    producer.advance_to(1)
+    h.sink(sid, topic, cid)
+
+    def good_and_errors(as_of: int) -> tuple[dict[bytes, int], dict[str, int]]:
+        snap = shard.snapshot(as_of)
+        ok = snap.filter(pa.compute.and_(snap[ERROR].is_null(), snap["k"].is_valid()))
+        rows: Counter[bytes] = Counter()
+        for row, d in zip(arrow_to_rows(ok.select(["k", "v"]), schema), ok[DIFF].to_pylist(), strict=True):
+            rows[work.codec.encode(row)] += d
+        unkeyed = snap.filter(pa.compute.and_(snap[ERROR].is_null(), snap["k"].is_null()))
+        assert unkeyed["v"].to_pylist() == ["no key"] and unkeyed[DIFF].to_pylist() == [2]  # never retracted
+        bad = snap.filter(snap[ERROR].is_valid())
+        return {k: v for k, v in rows.items() if v}, dict(zip(bad[ERROR].to_pylist(), bad[DIFF].to_pylist(), strict=True))
+
+    import time
+
+    for _ in range(3):
+        target = work.step(n=12, length=2)
+        deadline = time.monotonic() + DEADLINE_S
+        while (shard.refresh().upper.time or 0) < target:
+            assert time.monotonic() < deadline, h.diagnostics([sid])
+            time.sleep(POLL_S)
+        rows, errors = good_and_errors(target - 1)
+        assert rows == work.model(target)
+        # the two identical rows (consolidated when appended: one row, diff 2) give one error
+        assert len(errors) == 1 and list(errors.values()) == [2], errors
+        (error,) = errors
+        assert "a row of the shard at time 0 (diff 2) holds a value the collection's schema cannot hold" in error, error
+        assert "expected a value in non-nullable field 'k', found null" in error, error
+        assert 'row {"k": null, "v": "no key"}' in error, error
+    assert error not in good_and_errors(0)[1]  # at the first time the sink could write (1), not 0
+    assert good_and_errors(1)[1] == {error: 2}
+    producer.close()

@@ -284,3 +284,38 @@ def test_pack_ranges_makes_tasks_of_at_least_the_minimum_and_keeps_ranges_whole(
     assert sizes == [4500, 8000, 9000]
     each = pack_ranges(big, 1)  # never more tasks than ranges
     assert len(each) == 5 and all(isinstance(t, KafkaInputPartition) for t in each)
+
+
+def test_a_source_runner_stopped_by_spark_exits_quietly_and_other_failures_still_report() -> None:
+    """Spark stops a source's runner by closing its socket: the runner reads EOF and calls the
+    reader's ``stop()``, then would print a BrokenPipeError traceback reporting the EOF over
+    the closed socket. Run as that runner module, ``stop()`` during an EOF ends the process
+    quietly; during any other failure, or outside the runner, it returns and the failure is
+    reported as before."""
+    import subprocess
+    import sys
+
+    def runner(exc: str, as_runner: bool = True) -> subprocess.CompletedProcess[str]:
+        code = f"""
+import sys, types
+if {as_runner!r}:
+    sys.modules["__main__"].__spec__ = types.SimpleNamespace(name="pyspark.sql.streaming.python_streaming_source_runner")
+from shared.io.spark_kafka import KafkaStreamReader
+reader = KafkaStreamReader.__new__(KafkaStreamReader)
+reader._probe = None
+try:
+    try:
+        raise {exc}
+    finally:
+        reader.stop()
+except BaseException as e:
+    print("reported", type(e).__name__, file=sys.stderr)
+    sys.exit(3)
+"""
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    quiet = runner("EOFError")
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+    for exc, as_runner in (("RuntimeError('boom')", True), ("EOFError", False)):
+        loud = runner(exc, as_runner)
+        assert loud.returncode == 3 and loud.stderr.strip().startswith("reported"), (exc, as_runner, loud.stderr)

@@ -19,7 +19,7 @@ import pytest
 from services.write.service import is_input_failure
 from shardsink import ErrorRow, open_collection
 from shardsink.cli.data import collection_status
-from shared.catalog import sink_quarantine
+from shared.catalog import SinkDef, sink_failing, sink_quarantine
 from shared.embedded import EmbeddedStack
 from shared.io.desired_producer import DesiredProducer
 from tests.test_sink_e2e import DEADLINE_S, SCHEMA, Harness, services_harness, shard_contents
@@ -110,6 +110,10 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_sink_goes_on(qh: Harn
     sink = qh.settings.catalog().state().sink(sid)
     ranges = sink_quarantine(qh.settings.store(), sid, sink.epoch)
     assert ranges and all(r["topic"] == topic and r["end"] > r["start"] for r in ranges)
+    # Only the partition that failed (the step notes it on what it raises): the other one's
+    # range of that batch (its progress statements) went through as usual.
+    assert {r["partition"] for r in ranges} == {target}, ranges
+    assert sink_failing(qh.settings.store(), sid, sink.epoch) is None  # quarantined: failing no more
     assert all(r["failures"] >= QUARANTINE_AFTER and r["reason"].startswith("RuntimeError: injected failure") for r in ranges)
     assert qh.services.writers[sid].metrics.quarantined_ranges == len(ranges)
     status = next(r for r in collection_status(qh.settings) if r["collection"] == cid)
@@ -153,3 +157,52 @@ def test_only_failures_of_the_python_step_that_are_not_infrastructure_are_quaran
     assert not is_input_failure(py + "shared.errors.SinkProtocolError: partitions changed")
     assert not is_input_failure("org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)")
     assert not is_input_failure("java.lang.OutOfMemoryError: Java heap space")
+
+
+def test_failure_counts_survive_a_restart_and_only_the_partition_that_failed_is_quarantined(
+    stack: EmbeddedStack, tmp_path: Any, unique_id: str
+) -> None:
+    """The supervisor's hook against a checkpoint that planned micro-batch 1 and did not commit
+    it, and the real S3 server: the count of failures is on S3 (each call could be another
+    process: nothing is kept in memory), failures that are not the input's neither count nor
+    reset it, and the quarantine takes the ranges of the partition the failure names, or all
+    of the batch's when it names none."""
+    from services.common import ServiceSettings
+    from services.write.service import on_write_failure
+
+    def settings() -> ServiceSettings:  # a fresh one per call: as after a restart
+        return ServiceSettings.from_env_and_args(None, {
+            **stack.env(), "SHARDSINK_S3_PREFIX": f"quarantine-{unique_id}", "SHARDSINK_CHECKPOINT_DIR": str(tmp_path),
+            "SHARDSINK_QUARANTINE_AFTER": "3",
+        })
+
+    sink = SinkDef("qs", "desired-q", "c", epoch=4)
+    root = tmp_path / "write" / "qs-e4"
+    (root / "offsets").mkdir(parents=True)
+    (root / "commits").mkdir()
+    (root / "offsets" / "0").write_text('v1\n{}\n{"desired-q": {"0": 3, "1": 5, "2": 7}, "descs": {"0": 1}}\n')
+    (root / "commits" / "0").write_text("v1\n{}\n")
+    (root / "offsets" / "1").write_text('v1\n{}\n{"desired-q": {"0": 3, "1": 9, "2": 8}, "descs": {"0": 2}}\n')
+    py = "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+    failure = py + "RuntimeError: a value the step cannot handle\nin writer partition 1 of write micro-batch 1\n"
+    store = settings().store()
+
+    assert on_write_failure(None, settings(), sink, failure) == []
+    assert on_write_failure(None, settings(), sink, py + "shared.errors.ObjectStoreError: S3 is down\n") == []
+    assert on_write_failure(None, settings(), sink, failure) == []
+    failing = sink_failing(store, "qs", 4)
+    assert failing is not None and (failing["batch_id"], failing["failures"]) == (1, 2), failing
+    assert failing["reason"] == "RuntimeError: a value the step cannot handle"
+    ranges = on_write_failure(None, settings(), sink, failure)
+    assert [(r["partition"], r["start"], r["end"], r["batch_id"], r["failures"]) for r in ranges] == [(1, 5, 9, 1, 3)]
+    assert [{k: v for k, v in q.items() if k != "at_ms"} for q in sink_quarantine(store, "qs", 4)] == ranges
+    assert sink_failing(store, "qs", 4) is None
+
+    # The next batch fails with no partition named: all of its ranges with input go.
+    (root / "commits" / "1").write_text("v1\n{}\n")
+    (root / "offsets" / "2").write_text('v1\n{}\n{"desired-q": {"0": 4, "1": 9, "2": 10}, "descs": {"0": 2}}\n')
+    bare = py + "KeyError: 'x'\n"
+    assert on_write_failure(None, settings(), sink, bare) == [] and on_write_failure(None, settings(), sink, bare) == []
+    ranges = on_write_failure(None, settings(), sink, bare)
+    assert [(r["partition"], r["start"], r["end"]) for r in ranges] == [(0, 3, 4), (2, 8, 10)]
+    assert [(r["partition"], r["batch_id"]) for r in sink_quarantine(store, "qs", 4)] == [(1, 1), (0, 2), (2, 2)]

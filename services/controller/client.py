@@ -41,7 +41,7 @@ class ControllerClient:
         ensure_topic(kafka, responses_topic, 1)
         self.cmd_codec = message_codec("command")
         self.resp_codec = message_codec("response")
-        self.producer = Producer(kafka.config(**{"enable.idempotence": True, "linger.ms": 1}))
+        self.producer: Any = Producer(kafka.config(**{"enable.idempotence": True, "linger.ms": 1}))
         self.consumer = new_consumer(kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"})
         self.consumer.assign([TopicPartition(responses_topic, 0, from_offset)])
         #: Every response seen, in order (FrontierUpper reports included).
@@ -49,7 +49,14 @@ class ControllerClient:
         self._by_id: dict[str, list[dict[str, Any]]] = {}
 
     def close(self) -> None:
+        """Flush the commands sent, close the consumer, and let librdkafka's producer go now
+        rather than whenever the garbage collector gets to it: a closed client that lingers (in
+        an exception's traceback, say) would keep reconnecting to a broker that may be gone, a
+        line on stderr each time. Closing twice is harmless."""
+        if self.producer is None:
+            return
         self.producer.flush(10)
+        self.producer = None
         self.consumer.close()
 
     def encode(self, kind: str, body: dict[str, Any], command_id: str | None = None) -> tuple[str, bytes]:

@@ -12,12 +12,15 @@ Contract:
 - invariants: identifiers are never reused for another definition; a drop is one catalog
   commit (the id is dead at once) and its storage is reclaimed later by the tick
   (maintenance.py); an Append carries a token derived from the command id, so a replayed
-  command is never applied twice; a sink created without ``as_of`` starts at the
-  collection's upper.
+  command is never applied twice; an Append's ``staged_parts`` (data objects a client staged
+  for an input too large for one command) are checked and committed with its updates as one
+  batch, so a client's append lands whole or not at all; a sink created without ``as_of``
+  starts at the collection's upper.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -37,7 +40,7 @@ from shared.catalog import (
     drop_sink_transition,
 )
 from shared.controller_state import CommandRejected, ControllerSection
-from shared.errors import DecodeError
+from shared.errors import DecodeError, ShardsinkError
 from shared.frontier import Frontier
 from shared.objectstore import now_ms
 from shared.read_policy import ValidFrom, check_reaches_since, policy_from_avro
@@ -218,5 +221,21 @@ class CollectionsRoom(CommandLoop):
                     "InvalidUsage", f"expected new upper >= expected upper {expected!r}, found {new!r}",
                     collection_id=collection_id,
                 )
-            state = col.shard.compare_and_append(rows or None, expected, new, token=token)
+            keys = list(b.get("staged_parts") or [])
+            if not keys:
+                state = col.shard.compare_and_append(rows or None, expected, new, token=token)
+            else:
+                # A client's all-or-nothing append: data objects it staged (checked here before
+                # anything references them) and the inline updates, committed as one batch.
+                # A refusal leaves the client's objects to the client (it deletes them) and
+                # to GC; the objects staged here for the inline updates are deleted.
+                staged = [col.shard.staged_from_keys(keys)]
+                if rows:
+                    staged.append(col.shard.stage(rows))
+                try:
+                    state = col.shard.compare_and_append_staged(staged, expected, new, token=token)
+                except ShardsinkError:
+                    with contextlib.suppress(ShardsinkError):  # the refusal is what to answer; GC
+                        col.shard.delete_staged(staged[1:])  # reclaims what this leaves
+                    raise
         self._answer(cid, self._ack(cid, collection_id=collection_id, upper=state.upper.to_json()), where=where, offset=off)

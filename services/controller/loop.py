@@ -140,7 +140,11 @@ class CommandLoop:
         self.peeks = {}
         ensure_topic(k, s.commands_topic, 1)
         ensure_topic(k, s.responses_topic, 1)
-        self.producer = ControlProducer.create(k, "controller")
+        # Every topic it writes exists first (responses above, a subscribe's output at its
+        # Subscribe); one deleted later (tail deletes its own) is not brought back by a
+        # metadata refresh of this producer, which would re-create it on brokers that create
+        # topics on demand.
+        self.producer = ControlProducer.create(k, "controller", auto_create_topics=False)
         self.catalog = Catalog(self.store)
         # 1. fence out any older controller: from now on its catalog writes fail.
         self.epoch = self.catalog.claim_controller_epoch()

@@ -11,7 +11,9 @@ Contract:
 - outputs: per step, the changes in ``[lower, frontier)`` sorted (deterministic), then a
   progress statement at the frontier; a final empty progress statement when the subscribe
   ends (``up_to`` reached, cancelled, collection dropped);
-- invariants: no gap and no duplicate on the output topic across failures and restarts.
+- invariants: no gap and no duplicate on the output topic across failures and restarts; a
+  subscribe whose output topic was deleted (its subscriber is gone) ends, and its topic is
+  never re-created (the controller's producer does not create topics on demand).
 
 Subscribe output (per step):
 
@@ -45,7 +47,7 @@ from shared.controller_state import (
     is_final_step,
     subscribe_step,
 )
-from shared.errors import DecodeError, KafkaAdapterError, KafkaTimeoutError, SinceViolationError
+from shared.errors import DecodeError, KafkaAdapterError, KafkaTimeoutError, SinceViolationError, UnknownTopicError
 from shared.frontier import Frontier
 from shared.shard import DIFF, ERROR, TIME
 from shared.state import ShardState
@@ -121,14 +123,24 @@ class SubscribesRoom(CommandLoop):
                 self._advance_subscribe(sid, sub, heads)
             except FencedError:
                 raise
+            except UnknownTopicError:
+                # Its subscriber deleted the output topic (tail does, at the end): nobody reads
+                # it any more, and writing would only re-create it. The subscribe ends.
+                log.info("subscribe %s: its output topic %r is gone: the subscribe ends", sid, sub["topic"])
+                self._finish_step(sid, Frontier.empty(), True)
             except Exception as e:  # noqa: BLE001 - one failing subscribe must not stop the others
                 log.error("subscribe %s failed: %r", sid, e, exc_info=True)
 
     def _advance_subscribe(self, sid: str, sub: dict[str, Any], heads: dict[str, ShardState]) -> None:
+        from shared.io.kafka import OffsetProbe
+
         cid = sub["collection_id"]
         emitting = sub.get("emitting")
         if emitting is not None:
-            # Recovery: a step was intended and may be partly on the topic.
+            # Recovery: a step was intended and may be partly on the topic (if it still exists).
+            if self._probe is None:
+                self._probe = OffsetProbe(self.settings.service.kafka)
+            self._probe.partitions_of(sub["topic"])
             to = Frontier.from_json(emitting["to"])
             msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
             start = int(emitting["offset"])
@@ -155,6 +167,7 @@ class SubscribesRoom(CommandLoop):
         msgs = self._step_messages(sid, sub, to, final, lower_kind)
         if self._probe is None:
             self._probe = OffsetProbe(self.settings.service.kafka)
+        self._probe.partitions_of(sub["topic"])  # UnknownTopicError when it was deleted (creates nothing)
         offset = self._probe.ends([(sub["topic"], 0)])[(sub["topic"], 0)]
         intent = {"to": to.to_json(), "final": final, "offset": offset, "lower_kind": lower_kind}
 

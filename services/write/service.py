@@ -75,12 +75,19 @@ failure of the write query (:func:`on_write_failure`); when the same planned mic
 checkpoint's pending offsets) failed ``quarantine_after`` times (default 3) with an error
 raised in the Python step that is not an infrastructure error (S3, Kafka, lost history,
 protocol), its desired topic ranges are recorded in the sink's quarantine object
-(``sink-health/<sink>-e<epoch>.quarantine.json``). The restarted query decodes the updates of
+(``sink-health/<sink>-e<epoch>.quarantine.json``): the ranges of the writer partition the
+failure names (:func:`write_step` notes it on what it raises), else every range of the batch.
+The restarted query decodes the updates of
 those ranges as error rows at their own time (source offset, reason and the row as JSON in
 the error text), so they land in the error collection and the sink goes on; progress
 statements in the ranges keep counting. ``shardsink status`` and the metric
 ``shardsink_write_quarantined_ranges`` show it. Quarantine never retracts: the rows never
-reach the correction buffer. Failures are counted per service process.
+reach the correction buffer. Failures are counted in the same S3 object (``failing``), so
+the count survives a restart of the service, and ``status`` shows a batch failing before it
+is quarantined. Narrower than a partition's range (the offending records alone) would take a
+re-run per halving of the range, each a query restart of seconds, for a failure that per-value
+checks (decode, read-back) already keep from happening on bad values: a quarantined range
+loses nothing (each update is an error row with its row), so it is not done.
 
 Micro-batch order inside a writer partition's task (all on the executor):
 
@@ -185,7 +192,9 @@ class WriteJob:
 
 @dataclass(frozen=True)
 class Rows:
-    """Keys, times and diffs read back for a writer partition: data rows and error rows."""
+    """Keys, times and diffs read back for a writer partition: data rows and error rows, and
+    ``unwritable``: rows of the shard that hold a value the schema cannot hold, as
+    ``(reason, time, diff)`` (see :meth:`_Context.keys_of`)."""
 
     keys: pa.Array
     times: np.ndarray
@@ -193,6 +202,7 @@ class Rows:
     error_keys: pa.Array
     error_times: np.ndarray
     error_diffs: np.ndarray
+    unwritable: tuple[tuple[str, int, int], ...] = ()
 
     @staticmethod
     def of(keys: Any, times: Any, diffs: Any, ekeys: Any, etimes: Any, ediffs: Any) -> Rows:
@@ -208,14 +218,15 @@ class Rows:
         return Rows.of(pa.array([], pa.binary()), [], [], pa.array([], pa.binary()), [], [])
 
     def plus(self, o: Rows) -> Rows:
-        if not len(o.keys) and not len(o.error_keys):
+        if not len(o.keys) and not len(o.error_keys) and not o.unwritable:
             return self
-        if not len(self.keys) and not len(self.error_keys):
+        if not len(self.keys) and not len(self.error_keys) and not self.unwritable:
             return o
         return Rows(
             pa.concat_arrays([self.keys, o.keys]), np.concatenate([self.times, o.times]),
             np.concatenate([self.diffs, o.diffs]), pa.concat_arrays([self.error_keys, o.error_keys]),
             np.concatenate([self.error_times, o.error_times]), np.concatenate([self.error_diffs, o.error_diffs]),
+            self.unwritable + o.unwritable,
         )
 
 
@@ -447,8 +458,10 @@ class _Context:
         Data rows are encoded to their canonical keys a table at a time
         (:class:`shared.avro_columns.ColumnCodec`: no per-row Python); rows of objects no
         writer partition tagged are routed by the row hash, one ``hashlib`` call per row. A
-        table holding a value no row of the schema can hold (written by hand, say) falls back
-        to the row-by-row path, which skips such a row with a warning instead of stalling."""
+        table holding a value no row of the schema can hold (written by hand, say) goes row
+        by row: such a row has no key to correct it by, so it is never skipped in silence but
+        returned in ``unwritable`` with a reason that names it, for the error collection
+        (:meth:`absorb_unwritable`)."""
         import pyarrow.compute as pc
 
         from shared.desired import row_partition
@@ -473,7 +486,8 @@ class _Context:
         try:
             bodies = self.columns.encode(data.select(self.view.row_columns))
         except EncodeError as e:
-            log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e)
+            log.warning("a shard part holds a value the schema cannot hold (%s): its rows go row by row", e,
+                        extra={"sink_id": self.job.sink.sink_id})
             return out.plus(self._keys_row_by_row(data, wp, routed=routed))
         times = data[TIME].to_numpy()
         diffs = data[DIFF].to_numpy()
@@ -484,26 +498,61 @@ class _Context:
         return out.plus(Rows.of(keys, times, diffs, pa.array([], pa.binary()), [], []))
 
     def _keys_row_by_row(self, table: pa.Table, wp: int, *, routed: bool) -> Rows:
-        from shared.avro_arrow import arrow_to_rows
+        """:meth:`keys_of` for a table holding rows that do not encode: the table is halved
+        until each slice encodes or is one such row (a few column-codec calls per bad row, not
+        one per row); the rows that encode get their keys, the others go to ``unwritable``,
+        each owned by one partition (``wp`` for a routed object, else the one its reason hashes
+        to)."""
+        import pyarrow.compute as pc
+
         from shared.desired import row_partition
         from shared.shard import DIFF, TIME
 
         n = self.job.partitions
-        keys: list[bytes] = []
-        times: list[int] = []
-        diffs: list[int] = []
-        rows = arrow_to_rows(table.select(self.view.row_columns), self.codec.schema)
-        for row, t, d in zip(rows, table[TIME].to_pylist(), table[DIFF].to_pylist(), strict=True):
+        rows = table.select(self.view.row_columns)
+        all_times = table[TIME].to_numpy()
+        all_diffs = table[DIFF].to_numpy()
+        good_idx: list[np.ndarray] = []
+        good_bodies: list[pa.Array] = []
+        unwritable: list[tuple[str, int, int]] = []
+        todo = [(0, table.num_rows)]
+        while todo:
+            lo, hi = todo.pop()
             try:
-                key = self.codec.encode(row)
-            except ShardsinkError as e:  # a value no collection schema accepts: never stall
-                log.warning("skipping a shard row that does not encode: %s", e)
-                continue
-            if routed or row_partition(self.codec.partition_key(key), n) == wp:
-                keys.append(key)
-                times.append(t)
-                diffs.append(d)
-        return Rows.of(pa.array(keys, pa.binary()), times, diffs, pa.array([], pa.binary()), [], [])
+                good_bodies.append(self.columns.encode(rows.slice(lo, hi - lo)))
+                good_idx.append(np.arange(lo, hi))
+            except ShardsinkError as e:  # a value no row of the schema can hold: never stall
+                if hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    todo += [(mid, hi), (lo, mid)]
+                    continue
+                t, d = int(all_times[lo]), int(all_diffs[lo])
+                reason = unwritable_reason(rows.slice(lo, 1), t, d, e)
+                if routed or row_partition(reason.encode(), n) == wp:
+                    unwritable.append((reason, t, d))
+        idx = np.concatenate(good_idx) if good_idx else np.zeros(0, np.int64)
+        bodies = pa.concat_arrays(good_bodies) if good_bodies else pa.array([], pa.binary())
+        if not routed and len(idx):
+            mine = np.array([row_partition(b, n) == wp for b in bodies.to_pylist()], bool)
+            bodies, idx = bodies.filter(pa.array(mine)), idx[mine]
+        keys = pc.binary_join_element_wise(pa.scalar(self.header, pa.binary()), bodies, pa.scalar(b"", pa.binary()))
+        out = Rows.of(keys, all_times[idx], all_diffs[idx], pa.array([], pa.binary()), [], [])
+        return Rows(out.keys, out.times, out.diffs, out.error_keys, out.error_times, out.error_diffs, tuple(unwritable))
+
+    def absorb_unwritable(self, ws: WriteState, rows: Rows) -> None:
+        """Rows of the shard that hold a value the schema cannot hold: the buffer cannot
+        correct them (they have no key), so each becomes an error row, at the first time the
+        partition can still write (its own time is sealed; the reason says it), and the sink
+        goes on. Deterministic: the same row read back again (a partition's fresh start) gives
+        the same error, which the shard's copy read back cancels."""
+        for reason, t, d in rows.unwritable:
+            ws.absorb_desired_error(reason, t, d)
+        if rows.unwritable:
+            log.error(
+                "partition %d: %d row(s) of the shard hold a value the collection's schema cannot hold; "
+                "they go to the error collection (the first: %s)", ws.partition, len(rows.unwritable),
+                rows.unwritable[0][0], extra={"sink_id": self.job.sink.sink_id},
+            )
 
     def read_objects(self, ws: WriteState, keys: list[str], lower: int | None, upper: Frontier, state: Any = None) -> Rows:
         """Rows of ``ws``'s partition in the given objects with ``lower <= time < upper``, in the
@@ -608,6 +657,7 @@ class _Context:
             upper, r.keys, r.times, r.diffs, error_keys=r.error_keys, error_times=r.error_times,
             error_diffs=r.error_diffs,
         )
+        self.absorb_unwritable(ws, r)
 
     def read_back(self, ws: WriteState) -> None:
         """Absorb (negated) everything the shard gained since the persist frontier."""
@@ -624,6 +674,7 @@ class _Context:
             persist, state.upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
             error_times=r.error_times, error_diffs=r.error_diffs,
         )
+        self.absorb_unwritable(ws, r)
 
     def stage(self, ws: WriteState, decision: Stage) -> str:
         from shared.shard import DIFF, ERROR, TIME
@@ -683,6 +734,17 @@ def _column_codec_of(schema: dict[str, Any]) -> Any:
     return _COLUMN_CODECS[k]
 
 
+def unwritable_reason(row: pa.Table, time: int, diff: int, error: BaseException) -> str:
+    """The error text of a shard row that holds a value the schema cannot hold (a one-row
+    table of the row columns): what it is, its time and diff, why, and the row's contents."""
+    try:
+        contents = json.dumps(row.to_pylist()[0], default=str, sort_keys=True)
+    except Exception as e:  # noqa: BLE001 - a value Python cannot even show: say so
+        contents = f"(not shown: {type(e).__name__})"
+    return (f"a row of the shard at time {time} (diff {diff}) holds a value the collection's schema cannot "
+            f"hold, so the sink cannot correct it: {error}: row {contents}")
+
+
 def _error_texts(keys: pa.Array) -> pa.Array:
     """Error keys (UTF-8 bytes of the error texts) as strings; invalid bytes replaced."""
     try:
@@ -691,10 +753,12 @@ def _error_texts(keys: pa.Array) -> pa.Array:
         return pa.array([k.decode("utf-8", "replace") for k in keys.to_pylist()], pa.string())
 
 
-def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
+def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str, codec: Any = None) -> int:
     """Gaps, updates and progress of one partition in offset order: each run of updates
     between two other records is absorbed as Arrow and numpy slices (no per-row Python; the
-    other records are few). Returns the number of undecodable messages met."""
+    other records are few). An update below its partition's progress becomes an error row
+    that names its source offset, its diff and (with ``codec``, the collection's
+    :class:`shared.codec.RowCodec`) its row. Returns the number of undecodable messages met."""
     import pyarrow.compute as pc
 
     if table.num_rows == 0:
@@ -709,12 +773,25 @@ def absorb_input(ws: WriteState, table: pa.Table, desired_topic: str) -> int:
     diffs = table["diff"].fill_null(0).to_numpy()
     bad = 0
 
+    parts, offsets = table["partition"], table["offset"]
+
+    def describe(i: int) -> str:
+        """The update at row ``i``: where it came from, its diff and its row."""
+        text = f"update at {desired_topic}/{parts[i].as_py()}@{offsets[i].as_py()}, diff {int(diffs[i])}"
+        if codec is not None:
+            try:
+                text += ": row " + json.dumps(codec.decode(rows[i].as_py()), default=str, sort_keys=True)
+            except ShardsinkError:  # pragma: no cover - the rows were canonicalised on decode
+                pass
+        return text
+
     def run(a: int, b: int) -> None:
         idx = np.flatnonzero(is_update[a:b]) + a
         if len(idx) == b - a and b > a:
-            ws.absorb_desired_updates(rows.slice(a, b - a), times[a:b], diffs[a:b])
+            ws.absorb_desired_updates(rows.slice(a, b - a), times[a:b], diffs[a:b], describe=lambda j: describe(a + j))
         elif len(idx):
-            ws.absorb_desired_updates(rows.take(pa.array(idx)), times[idx], diffs[idx])
+            ws.absorb_desired_updates(rows.take(pa.array(idx)), times[idx], diffs[idx],
+                                      describe=lambda j: describe(int(idx[j])))
 
     pos = 0
     for i in other.tolist():
@@ -749,7 +826,17 @@ def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) ->
     """One writer partition, one micro-batch, on an executor: the steps of the module
     docstring. ``table``: the partition's decoded input (columns of
     :data:`services.sinkio.ROUTED_SCHEMA`), None or empty when it has none. Returns the rows
-    for the driver: a report (or a refusal), and the partition's statistics."""
+    for the driver: a report (or a refusal), and the partition's statistics. Whatever it
+    raises carries a note naming the partition and the micro-batch, so a quarantine takes
+    only the ranges of the partition that failed."""
+    try:
+        return _write_step(job, wp, batch_id, table)
+    except Exception as e:
+        e.add_note(f"in writer partition {wp} of write micro-batch {batch_id}")
+        raise
+
+
+def _write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -> list[dict[str, Any]]:
     import pyarrow.compute as pc
 
     from shared.codec import message_codec
@@ -786,7 +873,7 @@ def write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) ->
         desired = ctx.resolve_rows(desired, job.sink.desired_topic)
         if ctx.header[2:] != ws.key_schema:
             ctx.follow(ws, ctx.shard.head(max_age_s=1e9))  # resolving found a newer schema version
-        absorb_input(ws, desired, job.sink.desired_topic)
+        absorb_input(ws, desired, job.sink.desired_topic, ctx.codec)
         control = table.filter(pc.equal(table["topic"], job.descs_topic))
         desc_codec = message_codec("batch_description")
         for value in control["value"].to_pylist():
@@ -1041,15 +1128,8 @@ _NOT_THE_INPUT = (
 )
 
 
-@dataclass
-class FailureCount:
-    batch_id: int
-    failures: int
-    reason: str
-
-
-#: Per (sink, epoch): consecutive failures of the same pending micro-batch (this process).
-_FAILURES: dict[tuple[str, int], FailureCount] = {}
+#: The note the write step adds to whatever it raises: the quarantine takes the partition from it.
+_PARTITION_NOTE = re.compile(r"in writer partition (\d+) of write micro-batch (\d+)")
 
 
 def load_quarantine(settings: ServiceSettings, sink: SinkDef) -> list[tuple[int, int, int, str]]:
@@ -1098,41 +1178,41 @@ def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dic
 
 def on_write_failure(spark: Any, settings: ServiceSettings, sink: SinkDef, exc: Any) -> list[dict[str, Any]]:
     """The supervisor's failure hook of the write query: count failures of the same pending
-    micro-batch and quarantine its desired ranges after ``quarantine_after`` of them.
-    Returns the ranges quarantined now (empty when not yet, or not the input's fault)."""
-    from shared.catalog import add_sink_quarantine
+    micro-batch (on S3, with the sink's quarantine record: the count survives a restart of
+    the service) and, after ``quarantine_after`` of them, quarantine its desired ranges:
+    those of the writer partitions the failure names (the write step notes its partition on
+    what it raises), else all of the batch's. Returns the ranges quarantined now (empty when
+    not yet, or not the input's fault)."""
+    from shared.catalog import add_sink_quarantine, count_sink_failure
     from shared.io.spark_kafka import offsets_from_json
 
-    key = (sink.sink_id, sink.epoch)
     if settings.quarantine_after <= 0 or not is_input_failure(exc):
-        _FAILURES.pop(key, None)
         return []
     pending = pending_batch(spark, checkpoint_path(settings, "write", sink))
     if pending is None:
         return []
     batch_id, start_json, end_json = pending
     reason = failure_reason(exc)
-    prev = _FAILURES.get(key)
-    count = prev.failures + 1 if prev is not None and prev.batch_id == batch_id else 1
-    _FAILURES[key] = FailureCount(batch_id, count, reason)
+    store = settings.store()
+    count = count_sink_failure(store, sink.sink_id, sink.epoch, batch_id, reason)
     if count < settings.quarantine_after:
         log.warning("write micro-batch %d failed %d time(s): %s", batch_id, count, reason, extra={"sink_id": sink.sink_id})
         return []
     start = offsets_from_json(start_json).get(sink.desired_topic, {})
     end = offsets_from_json(end_json).get(sink.desired_topic, {})
+    named = {int(p) for p, b in _PARTITION_NOTE.findall(str(exc)) if int(b) == batch_id}
     ranges = [
         {"topic": sink.desired_topic, "partition": p, "start": start.get(p, 0), "end": e,
          "batch_id": batch_id, "failures": count, "reason": reason}
         for p, e in sorted(end.items())
-        if e > start.get(p, 0)
+        if e > start.get(p, 0) and (not named or p in named)
     ]
     if ranges:
-        add_sink_quarantine(settings.store(), sink.sink_id, sink.epoch, ranges)
+        add_sink_quarantine(store, sink.sink_id, sink.epoch, ranges)
         log.error(
             "write micro-batch %d failed %d times on the same input: its desired ranges %s "
             "are quarantined to the error collection: %s", batch_id, count,
             [(r["partition"], r["start"], r["end"]) for r in ranges], reason,
             extra={"sink_id": sink.sink_id},
         )
-    _FAILURES.pop(key, None)
     return ranges

@@ -92,7 +92,7 @@ def register(sub: Any) -> None:
     p.add_argument("--topic", required=True, help="the desired topic the sink reads")
     p.add_argument("--collection", required=True, help="the collection the sink writes")
     p.add_argument("--as-of", type=int, default=None,
-                   help="the start time (default: the collection's upper; 0 with --via catalog)")
+                   help="the start time (default: the collection's upper)")
     p.add_argument("--read-only", action="store_true",
                    help="observe without writing until sink allow-writes")
     p.add_argument(
@@ -204,15 +204,16 @@ def _call(args: argparse.Namespace, kind: str, body: dict[str, Any]) -> dict[str
         return results(session.call(kind, body))
 
 
-def create_collection(settings: Any, collection_id: str, schema: dict[str, Any], since: int = 0) -> None:
-    """Catalog entry first (validates the id and refuses reuse), then the shard."""
+def create_collection(settings: Any, collection_id: str, schema: dict[str, Any], since: int = 0) -> Any:
+    """Catalog entry first (validates the id and refuses reuse), then the shard; returns the
+    shard's state."""
     from shared.avro_arrow import parse_row_schema
     from shared.catalog import CollectionDef
     from shared.shard import Shard
 
     parsed = parse_row_schema(schema)
     settings.catalog().create_collection(CollectionDef(collection_id, parsed, since))
-    Shard.create(settings.store(), collection_id, parsed, since=since)
+    return Shard.create(settings.store(), collection_id, parsed, since=since).refresh()
 
 
 def _collection_create(args: argparse.Namespace) -> int:
@@ -231,10 +232,10 @@ def _collection_create(args: argparse.Namespace) -> int:
         print_json({"created": args.collection_id, "since": r.get("since"), "upper": r.get("upper")})
         return 0
     s = _settings(args)
-    create_collection(s, args.collection_id, schema, args.since)
+    st = create_collection(s, args.collection_id, schema, args.since)
     if policy is not None:
         s.catalog().alter_collection(args.collection_id, policy.to_json())
-    print_json({"created": args.collection_id})
+    print_json({"created": args.collection_id, "since": st.since.to_json(), "upper": st.upper.to_json()})
     return 0
 
 
@@ -266,8 +267,8 @@ def _collection_alter(args: argparse.Namespace) -> int:
         return 0
     policy = parse_read_policy(args.read_policy)
     if _via_controller(args):
-        _call(args, "SetReadPolicy", {"collection_id": args.collection_id, "policy": policy_to_avro(policy)})
-        print_json({"altered": args.collection_id, "read_policy": policy.to_json()})
+        r = _call(args, "SetReadPolicy", {"collection_id": args.collection_id, "policy": policy_to_avro(policy)})
+        print_json({"altered": args.collection_id, "read_policy": policy.to_json(), "since": r.get("since")})
         return 0
     from shared.read_policy import check_reaches_since
     from shared.shard import Shard
@@ -334,14 +335,21 @@ def _sink_create(args: argparse.Namespace) -> int:
         })
         print_json({"created": args.sink_id, "as_of": r.get("as_of")})
         return 0
-    as_of = 0 if args.as_of is None else args.as_of
+    as_of = args.as_of
+    if as_of is None:  # as the controller does: the sink starts at the collection's upper
+        from shared.shard import Shard
+
+        s = _settings(args)
+        s.catalog().state().collection(args.collection)  # an unknown or dropped id: its typed error first
+        upper = Shard.open(s.store(), args.collection).refresh().upper
+        as_of = upper.time if upper.time is not None else 0
     _settings(args).catalog().create_sink(
         SinkDef(
             args.sink_id, args.topic, args.collection, as_of=as_of, read_only=args.read_only,
             adopt_shard=bool(args.adopt_shard),
         )
     )
-    print_json({"created": args.sink_id})
+    print_json({"created": args.sink_id, "as_of": as_of})
     return 0
 
 
@@ -370,7 +378,7 @@ def _sink_allow(args: argparse.Namespace) -> int:
     if args.sink_id is None:
         raise InvalidUsageError("expected a sink id with --via catalog, found none")
     _settings(args).catalog().allow_writes(args.sink_id)
-    print_json({"allowed_writes": args.sink_id})
+    print_json({"allowed_writes": [args.sink_id]})
     return 0
 
 

@@ -129,16 +129,15 @@ class ControllerSession:
     def __init__(self, args: argparse.Namespace) -> None:
         from services.controller.client import ControllerClient
         from shared.io.kafka import OffsetProbe
-        from shared.io.kafka_admin import ensure_topic
 
         from shardsink.cli.util import check_brokers
 
         self.settings = settings(args)
         check_brokers(self.settings.kafka.bootstrap)
         self.commands_topic, self.responses_topic = topics(args)
+        require_controller(self.settings, self.commands_topic, self.responses_topic)
         self.timeout_s = float(getattr(args, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
         kafka = self.settings.kafka
-        ensure_topic(kafka, self.responses_topic, 1)
         with OffsetProbe(kafka) as probe:
             start = probe.ends([(self.responses_topic, 0)])[(self.responses_topic, 0)]
         self.client = ControllerClient(
@@ -170,6 +169,36 @@ class ControllerSession:
 
     def call(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.wait(self.send(kind, body), kind)
+
+
+def require_controller(s: Any, commands_topic: str, responses_topic: str) -> None:
+    """A controller to answer: one has claimed the catalog (its epoch is recorded there) and
+    its two topics exist. Checked before anything is sent or created, so a command without a
+    controller is one line at once, not a wait for an answer that cannot come, and it leaves
+    no topic behind (asking the broker for a missing topic's metadata would create it on
+    brokers that create topics on demand, so the check asks a consumer, which never does)."""
+    from shared.errors import ControllerNotFoundError, UnknownTopicError
+    from shared.io.kafka import OffsetProbe
+
+    if read_catalog(s).state().controller_epoch <= 0:
+        prefix = s.s3.prefix.rstrip("/") + "/" if s.s3.prefix else ""
+        raise ControllerNotFoundError(
+            f"expected a controller serving the catalog at s3://{s.s3.bucket}/{prefix}catalog/, found none has "
+            "claimed it (start one: python -m services.controller); nothing was sent"
+        )
+    missing = []
+    with OffsetProbe(s.kafka) as probe:
+        for topic in (commands_topic, responses_topic):
+            try:
+                probe.partitions_of(topic)
+            except UnknownTopicError:
+                missing.append(topic)
+    if missing:
+        raise ControllerNotFoundError(
+            f"expected the controller's topics {commands_topic!r} and {responses_topic!r}, found no "
+            f"{' and no '.join(repr(t) for t in missing)} (is the controller running on {commands_topic!r}? "
+            "check --commands-topic and --responses-topic); nothing was sent"
+        )
 
 
 def check(response: dict[str, Any]) -> dict[str, Any]:

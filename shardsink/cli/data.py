@@ -11,16 +11,19 @@
     shardsink status                                          # every collection
 
 ``append`` sends the controller's ``Append`` command (a table write that commits iff the
-upper is where the previous chunk left it): the updates of the input (JSON lines or CSV, as
-for ``produce``) up to each progress line (``--advance-to`` after the last one; without
-either, the upper goes to the largest time + 1), split into chunks of ``--chunk-rows``.
+upper is the one the input was checked against) with the whole input (JSON lines or CSV, as
+for ``produce``); the upper goes to ``--advance-to``, else past the largest time after the
+last progress line, else to the last progress line. An input of more than ``--chunk-rows``
+updates is staged first as data objects of the shard (``--chunk-rows`` updates each), which
+the one command names: it lands whole or not at all, and a failed append deletes them.
 
 ``peek`` sends ``Peek`` and prints the (row, count) pairs it answers, inline or from the
 S3 Parquet object the answer names. ``tail`` sends ``Subscribe`` with a fresh output topic
 (``--topic`` to name one), prints each change as ``time<TAB>diff<TAB>row-json``, each error
 row as ``error<TAB>time<TAB>diff<TAB>reason`` and, with ``--progress``, each progress statement as ``progress<TAB>T`` (``progress<TAB>closed`` at the
 end). It stops when the subscribe ends (``--up-to`` reached, collection dropped) or on
-Ctrl-C, which cancels the subscribe (exit 130).
+Ctrl-C, which cancels the subscribe (exit 130); then it deletes its fresh output topic, once
+it has read the subscribe's final progress statement (the controller writes nothing after it).
 
 ``status`` reads the catalog and the shards on S3 directly (no controller needed): upper,
 since, lag, batches, rows, error rows and bytes per live collection. *lag* is the desired frontier of the
@@ -39,7 +42,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import IO, Any
 
 import pyarrow as pa
@@ -53,7 +56,7 @@ from shardsink.cli.common import (
     row_codec,
     settings,
 )
-from shared.errors import InvalidUsageError
+from shared.errors import CommandError, InvalidUsageError
 
 
 def register(sub: Any) -> None:
@@ -64,7 +67,7 @@ def register(sub: Any) -> None:
                        description=_APPEND, formatter_class=fmt)
     p.add_argument("collection_id", help="the collection to append to")
     add_input_args(p)
-    p.add_argument("--chunk-rows", type=int, default=5000, help="updates per Append command (default 5000)")
+    p.add_argument("--chunk-rows", type=int, default=5000, help="updates sent inline in the command; a larger input is staged in data objects of this many (default 5000)")
     add_connection_args(p)
     p.set_defaults(func=_append)
 
@@ -88,7 +91,7 @@ def register(sub: Any) -> None:
     p.add_argument("--up-to", type=int, default=None, help="stop before this time (default: never)")
     p.add_argument("--progress", action="store_true", help="print progress statements too")
     p.add_argument("--no-snapshot", action="store_true", help="only the changes after --as-of, no snapshot")
-    p.add_argument("--topic", default=None, help="the output topic (default: a fresh one, left on the broker at the end)")
+    p.add_argument("--topic", default=None, help="the output topic, left at the end (default: a fresh one, deleted at the end)")
     add_connection_args(p)
     p.set_defaults(func=_tail)
 
@@ -104,11 +107,14 @@ def register(sub: Any) -> None:
 _APPEND = """\
 Append updates to a collection with the controller's Append command (table writes, no sink).
 
-The input is JSON lines or CSV, as for produce. The updates up to each progress line
-(--advance-to after the last one; without either, the upper goes to the largest time + 1)
-are sent in chunks of --chunk-rows, each committed iff the upper is where the previous
-chunk left it. All or nothing on the CLI's side: the whole input is checked (JSON, schema,
-times not below the collection's upper) before anything is sent."""
+The input is JSON lines or CSV, as for produce. The upper goes to --advance-to, else past
+the largest time after the last progress line, else to the last progress line.
+
+All or nothing: the whole input is checked first (JSON, schema, times not below the
+collection's upper), then committed as one batch, iff the upper is still the one checked.
+An input of more than --chunk-rows updates is staged first as data objects of the
+collection (--chunk-rows updates each) that one command appends; when the append fails
+or is interrupted they are deleted, and nothing is appended."""
 
 _PEEK = """\
 Print a collection's (row, count) pairs as of a time, sorted by row, as a table, CSV or
@@ -119,10 +125,9 @@ Subscribe to a collection and print each change as time<TAB>diff<TAB>row-json, l
 each error row (an update the sink could not write as a row) as error<TAB>time<TAB>diff<TAB>reason;
 with --progress also progress<TAB>T lines (progress<TAB>closed at the end).
 
-The subscribe writes to a fresh output topic (--topic to name one), left on the broker at the
-end (deleted when the controller refused the subscribe). It
-stops when the subscribe ends (--up-to reached, collection dropped) or on Ctrl-C, which
-cancels the subscribe (exit 130)."""
+The subscribe writes to a fresh output topic (--topic to name one), deleted at the end (a
+topic named with --topic is left). It stops when the subscribe ends (--up-to reached,
+collection dropped) or on Ctrl-C, which cancels the subscribe (exit 130)."""
 
 _STATUS = """\
 Print upper, since, lag, batches, rows, error rows and bytes of every live collection, read from the
@@ -130,88 +135,154 @@ catalog and the shards on S3 directly (no controller needed; nothing is created)
 
 lag is the desired frontier of the collection's sinks (the last progress statement of every
 partition of the desired topic, among its last --lag-window messages) minus the upper, in
-time units; - when there is no sink or no progress statement was found. The upper is not
-compared with the wall clock: times are the producer's, not necessarily milliseconds."""
+time units; - when there is no sink or no progress statement was found, or no Kafka broker
+can be reached (a warning says so; the rest is shown at once). The upper is not compared
+with the wall clock: times are the producer's, not necessarily milliseconds. A sink whose
+write micro-batch keeps failing on its input, or whose writer quarantined input, is warned
+of too."""
 
 
 # ==================================================================================================
 # append
 # ==================================================================================================
-def chunk_updates(
-    updates: Sequence[tuple[Any, int, int]], new_upper: int | None, chunk_rows: int
-) -> Iterator[tuple[list[tuple[Any, int, int]], int | None]]:
-    """Updates sorted by time in chunks of about ``chunk_rows`` cut at time boundaries, each
-    with the upper after it (the next chunk's first time; ``new_upper`` after the last)."""
-    ordered = sorted(updates, key=lambda u: u[1])
-    chunks: list[list[tuple[Any, int, int]]] = []
-    cur: list[tuple[Any, int, int]] = []
-    for u in ordered:
-        if len(cur) >= chunk_rows and u[1] != cur[-1][1]:
-            chunks.append(cur)
-            cur = []
-        cur.append(u)
-    chunks.append(cur)
-    for i, c in enumerate(chunks):
-        yield c, (chunks[i + 1][0][1] if i + 1 < len(chunks) else new_upper)
+class _Final:
+    """Pass 2's view of where the input leaves the upper: ``--advance-to``; else the largest
+    time after the last progress line + 1; else the last progress line; else unchanged."""
+
+    def __init__(self) -> None:
+        self.progress_seen = False
+        self.progress: int | None = None
+        self.trailing_max: int | None = None
+
+    def update(self, t: int) -> None:
+        self.trailing_max = t if self.trailing_max is None else max(self.trailing_max, t)
+
+    def advance(self, t: int | None) -> None:
+        self.progress_seen, self.progress, self.trailing_max = True, t, None
+
+    def upper(self, advance: bool, advance_to: int | None) -> tuple[bool, int | None]:
+        """``(changes, new upper)``: whether the input moves the upper, and to what (None:
+        closed)."""
+        if advance:
+            return True, advance_to
+        if self.trailing_max is not None:
+            return True, self.trailing_max + 1
+        return self.progress_seen, self.progress
 
 
 def _append(args: argparse.Namespace) -> int:
-    """Two passes over the input: check all of it, then send it in chunks."""
+    """Two passes over the input: check all of it, then send it as one ``Append``: inline when
+    it fits one command (``--chunk-rows``), else staged first as data objects of the shard,
+    ``--chunk-rows`` updates each, and named in the command. The controller commits them as
+    one batch, so the input lands whole or not at all; when the append fails (refused,
+    interrupted, a staging error) the staged objects are deleted again, and the error says
+    nothing was appended. Only an answer that never came leaves the outcome open: the objects
+    are then either appended or collected after the grace period."""
     import contextlib
 
     from shardsink.cli.produce import check_input, encode_row, open_input, parse_advance, read_numbered
-    from shared.errors import ContractViolationError, EncodeError
-    from shared.shard import Shard
+    from shared.errors import ContractViolationError, EncodeError, ShardsinkError
+    from shared.shard import Shard, StagedBatch
 
     if args.chunk_rows < 1:
         raise InvalidUsageError(f"expected --chunk-rows >= 1, found {args.chunk_rows}")
     s = settings(args)
-    codec = row_codec(s, args.collection_id)
+    cid = args.collection_id
+    codec = row_codec(s, cid)
     schema = json.dumps(codec.schema)
     advance, advance_to = parse_advance(args.advance_to)
-    sent = appends = 0
-    upper: Any = None
+    nothing = f"nothing was appended to {cid!r}"
     with contextlib.ExitStack() as stack:
         stream = open_input(args.input, stack)
-        current = Shard.open(s.store(), args.collection_id).refresh().upper
+        shard = Shard.open(s.store(), cid)
+        current = shard.refresh().upper
         try:  # 1. check everything; nothing is sent yet
-            checked = check_input(read_numbered(args, stream, schema), codec, current,
-                                  advance=(advance, advance_to),
-                                  what=f"the upper of collection {args.collection_id!r} (or a progress line)")
+            checked = check_input(read_numbered(args, stream, schema), codec, current, advance=(advance, advance_to),
+                                  what=f"the upper of collection {cid!r} (or a progress line)")
         except (EncodeError, ContractViolationError) as e:
-            raise type(e)(f"{e}; nothing was appended to {args.collection_id!r}", **e.fields) from None
+            raise type(e)(f"{e}; {nothing}", **e.fields) from None
         stream.seek(0)
         session = stack.enter_context(ControllerSession(args))
-        bar = stack.enter_context(ProgressBar(f"append {args.collection_id}", checked.updates, unit="updates"))
+        inline = checked.updates <= args.chunk_rows
+        bar = stack.enter_context(ProgressBar(f"append {cid}", checked.updates, unit="updates"))
+        final = _Final()
         pending: list[tuple[bytes, int, int]] = []
-
-        def flush(new_upper: int | None) -> None:
-            nonlocal sent, appends, upper
-            for chunk, up in chunk_updates(pending, new_upper, args.chunk_rows):
-                body = {
-                    "collection_id": args.collection_id,
-                    "updates": [{"row": r, "time": t, "diff": d} for r, t, d in chunk],
-                    "expected_upper": upper,
-                    "new_upper": up,
-                }
-                upper = results(session.call("Append", body)).get("upper")
-                sent += len(chunk)
-                appends += 1
-                bar.update(len(chunk))
-            pending.clear()
-
-        for n, kind, payload in read_numbered(args, stream, schema):  # 2. send, chunk by chunk
-            if kind == "update":
-                row, t, d = payload
-                pending.append((encode_row(codec, row, n), t, d))
-            else:
-                flush(payload)
-        if advance:
-            flush(advance_to)
-        elif pending:
-            flush(max(t for _, t, _ in pending) + 1)
-    print_json({"collection": args.collection_id, "updates": sent, "appends": appends, "upper": upper})
+        staged: list[StagedBatch] = []
+        sent = False
+        try:
+            # 2. the updates: kept for the command when they fit it, else staged chunk by chunk
+            for n, kind, payload in read_numbered(args, stream, schema):
+                if kind == "update":
+                    row, t, d = payload
+                    pending.append((encode_row(codec, row, n), t, d))
+                    final.update(t)
+                    if not inline and len(pending) >= args.chunk_rows:
+                        staged.append(_stage(shard, codec, pending))
+                        bar.update(len(pending))
+                        pending.clear()
+                else:
+                    final.advance(payload)
+            if staged and pending:
+                staged.append(_stage(shard, codec, pending))
+                bar.update(len(pending))
+                pending.clear()
+            changes, new_upper = final.upper(advance, advance_to)
+            if not changes and not pending and not staged:
+                upper = current.time if not current.is_empty() else None
+                print_json({"collection": cid, "updates": 0, "appends": 0, "staged_parts": 0, "upper": upper})
+                return 0
+            body = {
+                "collection_id": cid,
+                "updates": [{"row": r, "time": t, "diff": d} for r, t, d in pending],
+                "expected_upper": None if current.is_empty() else current.time,
+                "new_upper": new_upper,
+                "staged_parts": [p.key for b in staged for p in b.parts],
+            }
+            # 3. one command: the whole input, committed iff the upper is still the one checked
+            sent = True
+            upper = results(session.wait(session.send("Append", body), "Append")).get("upper")
+            bar.update(len(pending))
+        except BaseException as e:
+            # Refused, interrupted or failed before the command went out: nothing landed, and
+            # what was staged goes. A command out without an answer may still land: its
+            # objects stay for it (GC collects them if it never does).
+            determinate = not sent or isinstance(e, CommandError)
+            if determinate and staged:
+                with contextlib.suppress(ShardsinkError):
+                    shard.delete_staged(staged)
+            if isinstance(e, KeyboardInterrupt):
+                print(f"interrupted; {nothing}" if determinate else
+                      f"interrupted while waiting for the controller: the append of {cid!r} may still land",
+                      file=sys.stderr)
+                raise
+            if isinstance(e, ShardsinkError):
+                if determinate and "nothing was appended" in str(e):  # the controller said so
+                    raise
+                tail = nothing if determinate else (
+                    f"the append of {cid!r} may still land (its staged objects are then appended, else "
+                    "collected after the grace period)")
+                raise type(e)(f"{e}; {tail}", **e.fields) from None
+            raise
+    parts = sum(len(b.parts) for b in staged)
+    print_json({"collection": cid, "updates": checked.updates, "appends": 1, "staged_parts": parts, "upper": upper})
     return 0
+
+
+def _stage(shard: Any, codec: Any, updates: Sequence[tuple[bytes, int, int]]) -> Any:
+    """One chunk of encoded updates as a staged data object of the shard (decoded to Arrow a
+    chunk at a time)."""
+    from shared.avro_columns import ColumnCodec
+    from shared.codec import MARKER
+    from shared.errors import EncodeError
+    from shared.shard import DIFF, TIME
+
+    header = len(MARKER + codec.fingerprint)
+    decoded = ColumnCodec(codec.schema).decode(pa.array([r for r, _, _ in updates], pa.binary()), skip=header)
+    if not decoded.ok.all():  # the rows were encoded by the same schema: a bug, not the input
+        raise EncodeError(f"expected the encoded rows to decode, found: {next(iter(decoded.errors.values()))}")
+    table = decoded.table.append_column(TIME, pa.array([t for _, t, _ in updates], pa.uint64()))
+    table = table.append_column(DIFF, pa.array([d for _, _, d in updates], pa.int64()))
+    return shard.stage(table)
 
 
 # ==================================================================================================
@@ -294,7 +365,7 @@ def _cell(v: Any) -> str:
     if isinstance(v, bytes):
         return v.decode("utf-8", "backslashreplace")
     if isinstance(v, (dict, list)):
-        return json.dumps(v, default=str, sort_keys=True)
+        return json.dumps(v, default=_json_default, sort_keys=True)
     return str(v)
 
 
@@ -361,17 +432,22 @@ def _tail(args: argparse.Namespace) -> int:
 
     s = settings(args)
     check_brokers(s.kafka.bootstrap)
+    session = ControllerSession(args)  # a controller to answer, before the topic is created
     fresh = args.topic is None
     topic = args.topic or f"shardsink-tail-{args.collection_id}-{uuid.uuid4().hex[:12]}"
-    ensure_topic(s.kafka, topic, 1)
-    with OffsetProbe(s.kafka) as probe:
-        start = 0 if fresh else probe.ends([(topic, 0)])[(topic, 0)]
+    try:
+        ensure_topic(s.kafka, topic, 1)
+        with OffsetProbe(s.kafka) as probe:
+            start = 0 if fresh else probe.ends([(topic, 0)])[(topic, 0)]
+    except BaseException:
+        session.close()
+        raise
     sub_codec = message_codec("subscribe_output")
     consumer = new_consumer(s.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "50"})
     consumer.assign([TopicPartition(topic, 0, start)])
-    session = ControllerSession(args)
     sid: str | None = None
-    done = acked = False
+    acked = False
+    ended = [False]  # the subscribe's final progress statement was read: the controller is done with the topic
     try:
         sid = session.send("Subscribe", {
             "collection_id": args.collection_id, "output_topic": topic, "as_of": args.as_of,
@@ -380,49 +456,65 @@ def _tail(args: argparse.Namespace) -> int:
         session.wait(sid, "Subscribe")
         acked = True
         codec = row_codec(s, args.collection_id)
-        out = sys.stdout
-        while not done:
-            for m in consumer.consume(num_messages=1000, timeout=0.2):
-                if m.error() is not None:
-                    continue
-                msg = sub_codec.decode(m.value() or b"")
-                if msg["subscribe_id"] != sid:
-                    continue
-                if msg["progressed"]:
-                    if msg["time"] is None:
-                        done = True
-                    if args.progress:
-                        out.write(f"progress\t{'closed' if msg['time'] is None else msg['time']}\n")
-                elif msg.get("error") is not None:  # an error row: no row, the reason instead
-                    reason = " ".join(str(msg["error"]).split())  # one line, whatever it holds
-                    out.write(f"error\t{msg['time']}\t{msg['diff']}\t{reason}\n")
-                else:
-                    row = json.dumps(codec.decode(msg["row"]), default=_json_default, sort_keys=False)
-                    out.write(f"{msg['time']}\t{msg['diff']}\t{row}\n")
-                if done:
-                    break
-            out.flush()
+        _print_subscribe(consumer, sub_codec, codec, sid, args.progress, sys.stdout, ended)
     except KeyboardInterrupt:
-        if sid is not None:
-            _cancel(session, sid)
+        if sid is not None and _cancel(session, sid):
+            # Cancelled: the controller ends the subscribe with its final progress statement;
+            # read up to it (not printed), so the topic is no longer the controller's to write.
+            try:
+                _print_subscribe(consumer, sub_codec, None, sid, False, None, ended, timeout_s=10.0)
+            except KeyboardInterrupt:
+                pass
         raise
     finally:
         consumer.close()
         session.close()
-        # A fresh topic the controller never wrote to (the subscribe was refused) is deleted.
-        # One it wrote to is left: the controller's producer has it in its metadata cache,
-        # and on the embedded broker (Tansu) deleting a topic a live client has cached makes
-        # librdkafka crash that client (a NULL topic name in the next metadata update).
-        if fresh and not acked:
+        # A fresh topic goes when the controller will not write it again: it refused the
+        # subscribe, or its final progress statement was read. (The controller's producer does
+        # not re-create a topic deleted under it.) Otherwise it is left, and named.
+        if fresh and (not acked or ended[0]):
             _delete_topic(s.kafka, topic)
         elif fresh:
             print(f"output topic {topic} left on the broker", file=sys.stderr)
     return 0
 
 
+def _print_subscribe(consumer: Any, sub_codec: Any, codec: Any, sid: str, progress: bool, out: IO[str] | None,
+                     ended: list[bool], timeout_s: float | None = None) -> None:
+    """Print subscribe ``sid``'s messages (``out`` None: read them only) until its final
+    progress statement (``ended[0]`` then True) or ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not ended[0] and (deadline is None or time.monotonic() < deadline):
+        for m in consumer.consume(num_messages=1000, timeout=0.2):
+            if m.error() is not None:
+                continue
+            msg = sub_codec.decode(m.value() or b"")
+            if msg["subscribe_id"] != sid:
+                continue
+            if msg["progressed"]:
+                ended[0] = msg["time"] is None
+                if progress and out is not None:
+                    out.write(f"progress\t{'closed' if msg['time'] is None else msg['time']}\n")
+            elif out is None:
+                pass
+            elif msg.get("error") is not None:  # an error row: no row, the reason instead
+                reason = " ".join(str(msg["error"]).split())  # one line, whatever it holds
+                out.write(f"error\t{msg['time']}\t{msg['diff']}\t{reason}\n")
+            else:
+                row = json.dumps(codec.decode(msg["row"]), default=_json_default, sort_keys=False)
+                out.write(f"{msg['time']}\t{msg['diff']}\t{row}\n")
+            if ended[0]:
+                break
+        if out is not None:
+            out.flush()
+
+
 def _json_default(v: Any) -> Any:
+    """JSON for what JSON has no type for: bytes as Avro's JSON encoding has them (one code
+    point 0-255 per byte, which ``produce`` reads back), the rest (timestamps, decimals,
+    uuids) as the text ``produce`` accepts."""
     if isinstance(v, bytes):
-        return v.decode("utf-8", "backslashreplace")
+        return v.decode("latin-1")
     return str(v)
 
 
@@ -515,16 +607,19 @@ def sink_refusals(s: Any, sinks: list[Any]) -> dict[str, str]:
     return out
 
 
-def sink_quarantines(s: Any, sinks: list[Any]) -> dict[str, list[dict[str, Any]]]:
-    """The desired ranges each sink's writer quarantined (its current epoch)."""
-    from shared.catalog import sink_quarantine
+def sink_quarantines(s: Any, sinks: list[Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """Per sink (its current epoch): the desired ranges its writer quarantined, and the write
+    micro-batch failing on its input now (not quarantined yet)."""
+    from shared.catalog import quarantine_record
 
-    out = {}
+    ranges, failing = {}, {}
     for k in sinks:
-        q = sink_quarantine(s.store(), k.sink_id, k.epoch)
-        if q:
-            out[k.sink_id] = q
-    return out
+        record = quarantine_record(s.store(), k.sink_id, k.epoch)
+        if record["ranges"]:
+            ranges[k.sink_id] = record["ranges"]
+        if record["failing"]:
+            failing[k.sink_id] = record["failing"]
+    return ranges, failing
 
 
 def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
@@ -537,6 +632,16 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
     state = read_catalog(s).state()
     out = []
     cols = state.live_collections()
+    kafka_down: str | None = None  # the lag needs Kafka: without it, say so once and show none
+    if any(state.live_sinks(c.collection_id) for c in cols):
+        from shared.errors import KafkaUnavailableError
+
+        from shardsink.cli.util import check_brokers
+
+        try:
+            check_brokers(s.kafka.bootstrap)
+        except KafkaUnavailableError as e:
+            kafka_down = str(e)
     with ProgressBar("status", len(cols), unit="collections") as bar:
         for c in cols:
             entry: dict[str, Any] = {"collection": c.collection_id}
@@ -550,9 +655,9 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
                 bar.update()
                 continue
             lag = None
-            desired = [desired_frontier(s.kafka, k.desired_topic, lag_window) for k in sinks]
+            desired = [] if kafka_down else [desired_frontier(s.kafka, k.desired_topic, lag_window) for k in sinks]
             known = [f for f in desired if f is not None]
-            if sinks and len(known) == len(desired):
+            if sinks and not kafka_down and len(known) == len(desired):
                 furthest = max(known, key=lambda f: (f.is_empty(), f.time or 0))
                 if furthest.is_empty():
                     lag = 0 if st.upper.is_empty() else None
@@ -561,9 +666,13 @@ def collection_status(s: Any, lag_window: int = 1000) -> list[dict[str, Any]]:
             health = sink_refusals(s, sinks)
             if health:
                 entry["refusing"] = health
-            quarantined = sink_quarantines(s, sinks)
+            quarantined, failing = sink_quarantines(s, sinks)
             if quarantined:
                 entry["quarantined"] = quarantined
+            if failing:
+                entry["failing"] = failing
+            if sinks and kafka_down:
+                entry["lag_unknown"] = kafka_down
             entry.update({
                 "upper": st.upper.to_json(),
                 "since": st.since.to_json(),
@@ -599,12 +708,19 @@ def _status(args: argparse.Namespace) -> int:
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"warning: {r['collection']}: {r['error']}", file=sys.stderr)
+    down = next((r["lag_unknown"] for r in rows if r.get("lag_unknown")), None)
+    if down:
+        print(f"warning: no lag shown: {down}", file=sys.stderr)
     for r in rows:
         if r.get("errors"):
             print(f"warning: {r['collection']} holds {r['errors']} error rows (updates the sink could not "
                   f"write as rows; read them with snapshot(include_errors=True) or tail)", file=sys.stderr)
         for sid, msg in r.get("refusing", {}).items():
             print(f"error: sink {sid} refuses to write: {msg}", file=sys.stderr)
+        for sid, f in r.get("failing", {}).items():
+            print(f"warning: sink {sid}: write micro-batch {f['batch_id']} failed {f['failures']} time(s) on its input "
+                  f"({f['reason']}); retried, and quarantined to the error collection if it keeps failing",
+                  file=sys.stderr)
         for sid, ranges in r.get("quarantined", {}).items():
             offsets = sum(int(q["end"]) - int(q["start"]) for q in ranges)
             parts = ", ".join(f"{q['topic']}/{q['partition']}@[{q['start']},{q['end']})" for q in ranges)

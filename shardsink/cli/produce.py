@@ -6,8 +6,9 @@ Each input line is one JSON object, either an update or a progress statement::
     {"progress": 6}                                          # null: the empty frontier
 
 Rows are encoded with the Avro record schema of ``--schema`` (so JSON values must be what
-fastavro accepts for each field: numbers, strings, booleans, lists, objects; fields of type
-``bytes``/``fixed`` cannot be given in JSON). Updates are hashed to partitions; a progress
+fastavro accepts for each field: numbers, strings, booleans, lists, objects; ``bytes`` and
+``fixed`` as strings of code points 0-255, one per byte, as Avro's JSON encoding has them and
+``tail`` prints them; timestamps, dates, times and decimals as numbers or as text). Updates are hashed to partitions; a progress
 line flushes the updates and then sends the frontier to every partition. Blank lines are
 skipped. The last line printed is a JSON summary::
 
@@ -43,7 +44,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
-from shared.errors import ContractViolationError, EncodeError, InvalidUsageError, KafkaConfigError
+from shared.errors import ContractViolationError, EncodeError, InvalidUsageError, KafkaAdapterError, KafkaConfigError
 
 _DESCRIPTION = """\
 Produce a desired collection to its Kafka topic, from JSON lines or CSV.
@@ -52,7 +53,8 @@ Each JSON line is an update or a progress statement:
   {"row": {"id": 1, "name": "a"}, "time": 5, "diff": 1}     (diff defaults to 1)
   {"progress": 6}                                          (null: the empty frontier)
 Updates are hashed to partitions; progress goes to every partition. Timestamps, dates and
-decimals may be given as the text peek and tail print (2024-05-01 12:00:00+00:00).
+decimals may be given as the text peek and tail print (2024-05-01 12:00:00+00:00), bytes as
+tail prints them (one code point 0-255 per byte).
 
 CSV (--format csv): a header row names the columns; --time-column and --diff-column name
 those two, every other column is a field of the row schema. A CSV has no progress lines:
@@ -287,9 +289,15 @@ def _logical(value: str, logical: str) -> Any:
     return stamp
 
 
-def coerce(value: Any, avro_type: Any) -> Any:
+def coerce(value: Any, avro_type: Any, names: dict[str, Any] | None = None) -> Any:
     """``value`` with text in logical-type fields (timestamps, dates, times, decimals) turned
-    into the Python values fastavro encodes; everything else unchanged."""
+    into the Python values fastavro encodes, and text in ``bytes``/``fixed`` fields into bytes
+    (Avro's JSON encoding: one code point 0-255 per byte, as ``tail`` prints them); everything
+    else unchanged. ``names``: the schema's named types (a field may name one defined before)."""
+    if names is None:
+        names = _named_types(avro_type)
+    if isinstance(avro_type, str) and avro_type in names:
+        avro_type = names[avro_type]
     if isinstance(avro_type, list):
         if value is None:
             return None
@@ -297,10 +305,12 @@ def coerce(value: Any, avro_type: Any) -> Any:
             if branch == "null":
                 continue
             try:
-                return coerce(value, branch)
+                return coerce(value, branch, names)
             except ValueError:
                 continue
         return value
+    if avro_type in ("bytes", "fixed") and isinstance(value, str):
+        return value.encode("latin-1")  # UnicodeEncodeError (a ValueError): a code point above 255
     if not isinstance(avro_type, dict):
         return value
     logical, t = avro_type.get("logicalType"), avro_type.get("type")
@@ -308,14 +318,37 @@ def coerce(value: Any, avro_type: Any) -> Any:
         return _logical(value, str(logical))
     if t == "record" and isinstance(value, dict):
         fields = {f["name"]: f["type"] for f in avro_type.get("fields", [])}
-        return {k: coerce(v, fields[k]) if k in fields else v for k, v in value.items()}
+        return {k: coerce(v, fields[k], names) if k in fields else v for k, v in value.items()}
     if t == "array" and isinstance(value, list):
-        return [coerce(v, avro_type.get("items")) for v in value]
+        return [coerce(v, avro_type.get("items"), names) for v in value]
     if t == "map" and isinstance(value, dict):
-        return {k: coerce(v, avro_type.get("values")) for k, v in value.items()}
-    if isinstance(t, (dict, list)):
-        return coerce(value, t)
+        return {k: coerce(v, avro_type.get("values"), names) for k, v in value.items()}
+    if isinstance(t, (dict, list)) or (isinstance(t, str) and t in names) or t in ("bytes", "fixed"):
+        return coerce(value, t, names)
     return value
+
+
+def _named_types(schema: Any, out: dict[str, Any] | None = None, namespace: str = "") -> dict[str, Any]:
+    """The named types (records, enums, fixed) a schema defines, by name and full name."""
+    out = {} if out is None else out
+    if isinstance(schema, list):
+        for b in schema:
+            _named_types(b, out, namespace)
+    elif isinstance(schema, dict):
+        ns = schema.get("namespace", namespace)
+        if schema.get("type") in ("record", "enum", "fixed") and "name" in schema:
+            name = str(schema["name"])
+            full = name if "." in name or not ns else f"{ns}.{name}"
+            out[name] = out[full] = schema
+            ns = full.rpartition(".")[0]
+        for f in schema.get("fields", []):
+            _named_types(f.get("type"), out, ns)
+        for key in ("items", "values"):
+            if key in schema:
+                _named_types(schema[key], out, ns)
+        if isinstance(schema.get("type"), (dict, list)):
+            _named_types(schema["type"], out, ns)
+    return out
 
 
 def encode_row(codec: Any, row: dict[str, Any], n: int) -> bytes:
@@ -333,7 +366,11 @@ def encode_row(codec: Any, row: dict[str, Any], n: int) -> bytes:
     try:
         return bytes(codec.encode(row))
     except EncodeError as e:
-        detail = str(e).split("does not encode: ", 1)[-1]
+        text = str(e)
+        fits = f"expected a row that fits {codec.codec.subject!r}, found: "
+        # fastavro's complaint as it is; the row check's own sentence after what it was
+        detail = ("a value that does not fit: " + text.split(fits, 1)[1]) if fits in text else \
+            f"a value that does not encode ({text.split('does not encode: ', 1)[-1]})"
         raise EncodeError(f"expected a row matching the schema on line {n}, found {detail}", line=n) from None
 
 
@@ -348,11 +385,11 @@ def open_input(path: str, stack: contextlib.ExitStack) -> IO[str]:
         while chunk := sys.stdin.read(1 << 20):
             spool.write(chunk)
         spool.seek(0)
-        return spool  # type: ignore[return-value]
+        return spool
     try:
         return stack.enter_context(open(path, encoding="utf-8", newline=""))
     except OSError as e:
-        raise InvalidUsageError(f"expected a readable input file {path!r}, found {e.strerror.lower()}",
+        raise InvalidUsageError(f"expected a readable input file {path!r}, found {(e.strerror or str(e)).lower()}",
                                 path=path) from None
 
 
@@ -446,8 +483,8 @@ def _produce(args: argparse.Namespace) -> int:
             )
         frontier = seen[1] if seen is not None and seen[1] is not None else Frontier.minimum()
         try:  # 1. check everything; nothing is sent yet
-            check_input(read_numbered(args, stream, schema), codec, frontier, topic=args.topic,
-                        advance=(advance, advance_to))
+            checked = check_input(read_numbered(args, stream, schema), codec, frontier, topic=args.topic,
+                                  advance=(advance, advance_to))
         except (EncodeError, ContractViolationError) as e:
             raise type(e)(f"{e}; nothing was produced to {args.topic!r}", **e.fields) from None
         stream.seek(0)
@@ -455,15 +492,24 @@ def _produce(args: argparse.Namespace) -> int:
             ensure_topic(settings, args.topic, args.partitions)
         producer = stack.enter_context(DesiredProducer(settings, args.topic, schema, frontier=frontier))
         bar = stack.enter_context(ProgressBar(f"produce {args.topic}", unit="updates"))
-        for n, kind, payload in read_numbered(args, stream, schema):
-            if kind == "update":
-                row, time, diff = payload
-                producer.send_encoded(encode_row(codec, row, n), time, diff)
-                bar.update()
-            else:
-                producer.advance_to(payload)
-        if advance:
-            producer.advance_to(advance_to)
+        try:
+            for n, kind, payload in read_numbered(args, stream, schema):
+                if kind == "update":
+                    row, time, diff = payload
+                    producer.send_encoded(encode_row(codec, row, n), time, diff)
+                    bar.update()
+                else:
+                    producer.advance_to(payload)
+            if advance:
+                producer.advance_to(advance_to)
+            producer.flush()
+        except KafkaAdapterError as e:  # the broker failed us half way: say what may have landed
+            producer.abort()
+            raise type(e)(
+                f"{e}; up to {producer.sent_updates} of the input's {checked.updates} updates and "
+                f"{producer.sent_progress} progress statements may be on {args.topic!r}: the sink "
+                "counts each update as often as it lands", **e.fields,
+            ) from None
     print_json(
         {
             "topic": args.topic,

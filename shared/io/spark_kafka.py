@@ -393,6 +393,31 @@ def pack_ranges(ranges: Sequence[KafkaInputPartition], min_records: int) -> list
     return out
 
 
+#: The module Spark runs a stream reader's driver-side methods in (one process per source).
+_SOURCE_RUNNER = "pyspark.sql.streaming.python_streaming_source_runner"
+
+
+def exit_if_spark_stopped_the_runner() -> None:
+    """Called from :meth:`KafkaStreamReader.stop`. The JVM stops a source's runner process by
+    closing its socket: the runner, waiting for the next call, reads EOF, calls ``stop()``,
+    then reports the EOF as a failure over the socket that is gone, and prints the resulting
+    ``BrokenPipeError`` traceback (three chained tracebacks) on the service's stderr, at each
+    stop of a query that finds it waiting (a dropped or re-created sink, a restart). There is
+    nobody left to report to and nothing left to read: in that case, and only then (EOF in
+    flight, in that runner), the process ends here, quietly. Any other failure is reported
+    as Spark reports it."""
+    import sys
+
+    if sys.exc_info()[0] is not EOFError:
+        return
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) != _SOURCE_RUNNER:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Driver side: ``initialOffset``, ``latestOffset``, ``partitions``, ``commit`` run in one
     long-lived Python process per query, so the probe and its cache live on ``self``.
@@ -540,6 +565,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         p, self._probe = self._probe, None
         if p is not None:
             p.close()
+        exit_if_spark_stopped_the_runner()
 
     # -- executor side -----------------------------------------------------------------------
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
