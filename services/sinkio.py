@@ -332,7 +332,7 @@ class DesiredDecoder:
             except DecodeError as e:
                 kind[i] = _K_BAD
                 err.set(i, f"row does not match the collection schema at {self.desired_topic}/{int(part[i])}@{int(off[i])}: "
-                           f"{e}: {_row_bytes(rows[j].as_py())}")
+                           f"{e}: {describe_bytes(rows[j].as_py())}")
 
     def _one(self, i: int, rb: pa.RecordBatch, val: pa.Array, kind: Any, row: Column, tm: Any, has_tm: Any,
              diff: Any, has_diff: Any, fr: Any, has_fr: Any, closed: Any, err: Column, part: Any, off: Any) -> None:
@@ -356,7 +356,7 @@ class DesiredDecoder:
             msg = decode_desired(v if v is not None else b"")
         except DecodeError as e:
             kind[i] = _K_BAD
-            err.set(i, f"undecodable desired message at {where}: {e}: {_row_bytes(v, what='message')}")
+            err.set(i, f"undecodable desired message at {where}: {e}: {describe_bytes(v, what='message')}")
             return
         if isinstance(msg, DesiredProgress):
             kind[i] = _K_PROGRESS
@@ -383,7 +383,7 @@ class DesiredDecoder:
             row.set(i, self.row_codec.canonical(msg.row))
         except DecodeError as e:
             kind[i] = _K_BAD
-            err.set(i, f"row does not match the collection schema at {where}: {e}: {_row_bytes(msg.row)}")
+            err.set(i, f"row does not match the collection schema at {where}: {e}: {describe_bytes(msg.row)}")
 
 
 class Column:
@@ -440,7 +440,7 @@ ROUTED_SCHEMA = pa.schema([pa.field("wp", pa.int32()), *DECODED_SCHEMA])
 ROUTED_DDL = "wp int, " + DECODED_DDL
 
 
-def _row_bytes(row: bytes | None, limit: int = 256, what: str = "row") -> str:
+def describe_bytes(row: bytes | None, limit: int = 256, what: str = "row") -> str:
     """A row (or message) that does not decode, as what it is: its bytes in hex (the first
     ``limit``)."""
     if not row:

@@ -429,9 +429,11 @@ class _Context:
         if errors:
             bad = np.array(sorted(todo[j] for j in errors), np.int64)
             part, off = table["partition"], table["offset"]
+            from services.sinkio import describe_bytes
+
             texts = pa.array([
                 f"row does not match the collection schema at {desired_topic}/{part[int(todo[j])].as_py()}@"
-                f"{off[int(todo[j])].as_py()}: {errors[j]}"
+                f"{off[int(todo[j])].as_py()}: {errors[j]}: {describe_bytes(rows[j].as_py())}"
                 for j in sorted(errors, key=lambda j: todo[j])
             ], pa.string())
             kinds = _put(kinds.combine_chunks() if isinstance(kinds, pa.ChunkedArray) else kinds, bad,
