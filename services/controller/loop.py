@@ -83,6 +83,7 @@ from shared.state import CRITICAL, ShardState
 
 if TYPE_CHECKING:
     from services.controller.maintenance import Maintenance
+    from services.controller.spark_jobs import ControllerSpark
 
 log = logging.getLogger("shardsink")
 
@@ -124,6 +125,12 @@ class CommandLoop:
         self.consumer: Any = None
         self._probe: Any = None  # a long-lived OffsetProbe (output partition ends)
         self.maintenance: Maintenance | None = None
+        #: The Spark driver of the data-heavy work, when a master is set (spark_jobs.py).
+        self.spark_jobs: ControllerSpark | None = None
+        if self.settings.spark.enabled:
+            from services.controller.spark_jobs import ControllerSpark
+
+            self.spark_jobs = ControllerSpark(self.settings.spark, s)
 
     # ==============================================================================================
     # recovery (reconciliation with what the catalog and the shards say)
@@ -141,6 +148,8 @@ class CommandLoop:
         ensure_topic(k, s.commands_topic, 1)
         ensure_topic(k, s.responses_topic, 1)
         self.producer = ControlProducer.create(k, "controller")
+        if self.spark_jobs is not None:
+            self.spark_jobs.start()  # in the background: the first job waits for it
         self.catalog = Catalog(self.store)
         # 1. fence out any older controller: from now on its catalog writes fail.
         self.epoch = self.catalog.claim_controller_epoch()
