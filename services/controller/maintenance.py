@@ -123,6 +123,12 @@ class Maintenance:
                 self.request(cid, **job)
 
     def _do(self, cid: str, shard: Shard, job: dict[str, bool]) -> None:
+        # The job was asked for because the loop saw a new head (appends by the sink, a moved
+        # since): plan from it, not from this handle's cached head, which is confirmed only
+        # every half grace period and would hide those appends from the tiered compaction
+        # (compact_below_since reads the head itself).
+        if not job["below_since"]:
+            shard.refresh()
         if job["below_since"]:
             shard.compact_below_since()
         if job["below_since"] or job["compact"]:
