@@ -19,7 +19,9 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   collection through the ``shardsink`` Spark batch source (local[2] session, already warm:
   median of 3 after one untimed read)
 
-``--quick`` shrinks every size (for smoke runs).
+``--quick`` shrinks every size (for smoke runs); ``--no-cluster`` skips the standalone cluster
+(its figures are then null); ``--compaction-rows N`` sets the rows of each of the 20 batches
+compacted (default 50,000; 5,000 with ``--quick``).
 """
 
 from __future__ import annotations
@@ -248,7 +250,10 @@ def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> t
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-cluster", action="store_true")
+    ap.add_argument("--compaction-rows", type=int)
     args = ap.parse_args()
+    comp_n = args.compaction_rows or (5_000 if args.quick else 50_000)
     peek_rows = 100_000 if args.quick else 1_000_000
     lag_n = 30 if args.quick else 200
     with EmbeddedStack() as stack:
@@ -263,11 +268,11 @@ def main() -> int:
         try:
             peek_s = bench_peek(client, store, peek_rows)
             p50, p99 = bench_subscribe_lag(stack, client, store, lag_n)
-            comp, comp_rows = bench_compaction(client, store, 20, 5_000 if args.quick else 50_000)
+            comp, comp_rows = bench_compaction(client, store, 20, comp_n)
         finally:
             controller.stop()
             client.close()
-        comp_cluster, _ = bench_compaction_cluster(stack, 20, 5_000 if args.quick else 50_000)
+        comp_cluster = None if args.no_cluster else bench_compaction_cluster(stack, 20, comp_n)[0]
         spark_read_s = bench_spark_read(svc, peek_rows)
     out = {
         "peek_1m_rows_s": round(peek_s, 3),
@@ -276,8 +281,9 @@ def main() -> int:
         "subscribe_lag_p99_s": round(p99, 4),
         "compaction_mb_per_s": round(comp, 2),
         "compaction_rows_per_s": round(comp_rows),
-        "compaction_mb_per_s_cluster": round(comp_cluster, 2),
-        "compaction_cluster_vs_local": round(comp_cluster / comp, 3),
+        "compaction_rows": 20 * comp_n,
+        "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),
+        "compaction_cluster_vs_local": None if comp_cluster is None else round(comp_cluster / comp, 3),
         "spark_read_1m_rows_s": round(spark_read_s, 3),
         "quick": args.quick,
         "cpus": os.cpu_count(),

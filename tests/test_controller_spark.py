@@ -58,7 +58,7 @@ SCHEMA = {
                {"name": "x", "type": "double"}],
 }
 ROWS = RowCodec(SCHEMA)
-APPENDS = 24
+APPENDS = 16
 GRACE_MS = 4000
 
 
@@ -105,7 +105,7 @@ def controller(stack: EmbeddedStack, standalone_cluster: SparkStandalone,
         "SHARDSINK_CONTROLLER_SPARK_MASTER": standalone_cluster.master_url,
         "SHARDSINK_CONTROLLER_SPARK_MIN_BYTES": "0",
         "SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS": "0",
-        "SHARDSINK_GC_INTERVAL_MS": "2000",
+        "SHARDSINK_GC_INTERVAL_MS": "5000",
         "SHARDSINK_STAGED_GRACE_MS": str(GRACE_MS),
         "SHARDSINK_METRICS_PORT": str(port),
         "PYSPARK_PYTHON": sys.executable,
@@ -215,7 +215,7 @@ def test_compaction_as_a_spark_job_keeps_every_readable_snapshot_and_batches_log
     assert len(st.batches) <= bound, f"{len(st.batches)} batches after {APPENDS} appends (bound {bound:.1f})"
     assert controller.jobs()[("merge", "spark")] >= 1, "expected the tiered merges to run on Spark"
 
-    # since moves to 20: history below it collapses into one merged batch, on the cluster.
+    # since moves to upper - 4: history below it collapses into one merged batch, on the cluster.
     controller.call("SetReadPolicy", {"collection_id": "orders", "policy": lag(4)})
 
     def merged() -> bool:
@@ -223,7 +223,7 @@ def test_compaction_as_a_spark_job_keeps_every_readable_snapshot_and_batches_log
         return s.since.time == APPENDS - 4 and len([b for b in s.batches if b.upper.less_equal(s.since)]) <= 1 \
             and plan_merge(s) is None
 
-    wait_for(merged, "since at 20 and the history below it merged", controller)
+    wait_for(merged, "since at upper - 4 and the history below it merged", controller)
     st = shard.refresh()
     check_invariants(st)
     assert len(st.batches) <= bound
