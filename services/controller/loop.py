@@ -128,9 +128,11 @@ class CommandLoop:
         #: The Spark driver of the data-heavy work, when a master is set (spark_jobs.py).
         self.spark_jobs: ControllerSpark | None = None
         if self.settings.spark.enabled:
-            from services.controller.spark_jobs import ControllerSpark
+            from services.controller.spark_jobs import ControllerSpark, controller_session
 
-            self.spark_jobs = ControllerSpark(self.settings.spark, s)
+            master = self.settings.spark.master
+            assert master is not None
+            self.spark_jobs = ControllerSpark(self.settings.spark, s.s3, lambda: controller_session(s, master))
 
     # ==============================================================================================
     # recovery (reconciliation with what the catalog and the shards say)

@@ -275,11 +275,11 @@ class ControllerSpark:
     """The controller's Spark driver: a session started in the background, the jobs above, and
     the decision of which work goes to Spark (see the module docstring)."""
 
-    def __init__(self, settings: SparkJobSettings, service: ServiceSettings, app_name: str = "shardsink-controller") -> None:
+    def __init__(self, settings: SparkJobSettings, s3: S3Settings, session: Callable[[], Any]) -> None:
         self.settings = settings
-        self.service = service
-        self.s3 = service.s3
-        self.app_name = app_name
+        self.s3 = s3
+        #: Makes the SparkSession (called once, in the background: :meth:`start`).
+        self._make_session = session
         self._spark: Any = None
         self._lock = threading.Lock()
         self._starting: threading.Thread | None = None
@@ -307,10 +307,7 @@ class ControllerSpark:
     def session(self) -> Any:
         with self._lock:
             if self._spark is None:
-                from services.common import spark_session
-
-                assert self.settings.master
-                self._spark = spark_session(replace(self.service, spark_master=self.settings.master), self.app_name)
+                self._spark = self._make_session()
             return self._spark
 
     def stop(self) -> None:
@@ -532,6 +529,14 @@ class ControllerSpark:
 
         rdd = self._run("snapshot", run_it)
         return _Streamed(self, rdd)
+
+
+def controller_session(service: ServiceSettings, master: str) -> Any:
+    """The controller's SparkSession: the services' settings (services/common.py) on
+    ``master``; Spark options from ``PYSPARK_SUBMIT_ARGS``."""
+    from services.common import spark_session
+
+    return spark_session(replace(service, spark_master=master), "shardsink-controller")
 
 
 class _Streamed:
