@@ -37,7 +37,7 @@ from shared.codec import tagged
 from shared.controller_state import CommandRejected, ControllerSection, is_readable
 from shared.errors import NotReadableYetError, ShardDroppedError, SinceViolationError
 from shared.frontier import Frontier
-from shared.shard import DIFF, ERROR
+from shared.shard import DIFF, ERROR, dictionary_columns
 from shared.state import ShardState
 
 
@@ -115,7 +115,7 @@ class PeeksRoom(CommandLoop):
             if result is None:
                 out = table.select([*col.shard.row_columns, *([ERROR] if has_errors else []), DIFF])
                 buf = io.BytesIO()
-                pq.write_table(out, buf, compression="snappy")
+                pq.write_table(out, buf, compression="snappy", use_dictionary=dictionary_columns(out))
                 key = f"{name}.parquet"
                 self.store.put(key, buf.getvalue())
                 result = tagged("StoredRows", {"bucket": self.settings.service.s3.bucket, "key": self._full_key(key),

@@ -57,7 +57,17 @@ import pyarrow.parquet as pq
 
 from shared.frontier import Frontier
 from shared.io.s3 import S3ObjectStore, S3Settings
-from shared.shard import DIFF, ERROR, MERGE_ROWS_PER_PART, TIME, Shard, consolidate, merge_table, merged_batch
+from shared.shard import (
+    DIFF,
+    ERROR,
+    MERGE_ROWS_PER_PART,
+    TIME,
+    Shard,
+    consolidate,
+    dictionary_columns,
+    merge_table,
+    merged_batch,
+)
 from shared.state import BatchMeta, Part
 
 if TYPE_CHECKING:
@@ -197,7 +207,7 @@ def peek_task(job: ShardJob, folder: str, limit: int | None, bucket: int,
         return
     key = f"{folder}part-{bucket:05d}.parquet"
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="snappy")
+    pq.write_table(table, buf, compression="snappy", use_dictionary=dictionary_columns(table))
     job.store().put(key, buf.getvalue())
     yield {"bucket": bucket, "key": key, "rows": table.num_rows, "nbytes": table.nbytes,
            "errors": table.num_rows - table[ERROR].null_count}
@@ -307,7 +317,10 @@ class ControllerSpark:
     def session(self) -> Any:
         with self._lock:
             if self._spark is None:
-                self._spark = self._make_session()
+                try:
+                    self._spark = self._make_session()
+                except Exception as e:  # noqa: BLE001 - the work is then done in-process
+                    raise SparkJobError(f"expected a Spark session, found {type(e).__name__}: {e}") from e
             return self._spark
 
     def stop(self) -> None:
@@ -343,11 +356,15 @@ class ControllerSpark:
         try:
             out = on_spark()
         except SparkJobError as e:
-            self.jobs[(kind, "fallback")] += 1
+            self._count(kind, "fallback")
             log.warning("controller: %s on Spark failed, doing it in-process: %s", kind, str(e)[:2000])
             return here()
-        self.jobs[(kind, "spark")] += 1
+        self._count(kind, "spark")
         return out
+
+    def _count(self, kind: str, outcome: str) -> None:
+        with self._lock:
+            self.jobs[(kind, outcome)] += 1
 
     def _job(self, shard: Shard, mode: str, at: int | None, buckets: int) -> ShardJob:
         root = shard.prefix[: -len(shard.shard_id) - 2]
@@ -456,6 +473,11 @@ class ControllerSpark:
 
     def _peek(self, shard: Shard, as_of: int, limit: int | None, folder: str, parts: Sequence[Part]) -> StoredPeek:
         job = self._read_job(shard, as_of, parts)
+        # A peek answered again after a restart writes its folder again: objects of a first
+        # attempt with more buckets must not join the answer.
+        stale = [i.key for i in shard.store.list(folder)]
+        if stale:
+            shard.store.delete_many(stale)
 
         def run_it(sc: Any) -> list[dict[str, Any]]:
             out: list[dict[str, Any]] = (
@@ -484,7 +506,7 @@ class ControllerSpark:
             if o["rows"] > left:
                 t = pq.read_table(io.BytesIO(shard.store.get(o["key"]))).slice(0, left)
                 buf = io.BytesIO()
-                pq.write_table(t, buf, compression="snappy")
+                pq.write_table(t, buf, compression="snappy", use_dictionary=dictionary_columns(t))
                 shard.store.put(o["key"], buf.getvalue())
                 o = {**o, "rows": t.num_rows, "nbytes": t.nbytes, "errors": t.num_rows - t[ERROR].null_count}
             kept.append(o)
