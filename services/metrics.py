@@ -160,7 +160,7 @@ class ControllerCollector(Collector):
             labels=["kind", "outcome"],
         )
         spark_jobs = getattr(c, "spark_jobs", None)
-        for (kind, outcome), n in sorted((spark_jobs.jobs if spark_jobs is not None else {}).items()):
+        for (kind, outcome), n in sorted((spark_jobs.counts() if spark_jobs is not None else {}).items()):
             jobs.add_metric([kind, outcome], n)
         yield jobs
 

@@ -291,7 +291,8 @@ class ControllerSpark:
         #: Makes the SparkSession (called once, in the background: :meth:`start`).
         self._make_session = session
         self._spark: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the session (held while it starts)
+        self._counts_lock = threading.Lock()
         self._starting: threading.Thread | None = None
         self.start_error: BaseException | None = None
         #: ``(kind, outcome)`` -> count; kind: merge, sweep, peek, snapshot; outcome: spark,
@@ -363,8 +364,13 @@ class ControllerSpark:
         return out
 
     def _count(self, kind: str, outcome: str) -> None:
-        with self._lock:
+        with self._counts_lock:
             self.jobs[(kind, outcome)] += 1
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """A copy of :attr:`jobs` (for metrics, from another thread)."""
+        with self._counts_lock:
+            return dict(self.jobs)
 
     def _job(self, shard: Shard, mode: str, at: int | None, buckets: int) -> ShardJob:
         root = shard.prefix[: -len(shard.shard_id) - 2]
