@@ -8,12 +8,20 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   returned) to the progress row for that upper on the subscribe topic (200 small appends)
 - compaction_mb_per_s: Parquet bytes of the batches merged when a read policy moves since
   past 20 batches of 50k rows, divided by the time from the SetReadPolicy command to the
-  merged state
+  merge's commit (the time stamped on the parts it retired; the bench polls every 50 ms, so
+  that its own S3 requests do not slow the merge down); ``compaction_rows_per_s`` the rows
+  merged per second; the controller merges in its process (no Spark master)
+- compaction_mb_per_s_cluster: the same compaction (after one untimed warm-up compaction)
+  with a second controller whose merges are Spark jobs (SHARDSINK_CONTROLLER_SPARK_MASTER,
+  threshold 0) on a standalone cluster of 2 workers x 1 core started from the pyspark wheel;
+  ``compaction_cluster_vs_local`` its ratio to the one-process figure
 - spark_read_1m_rows_s: ``read_collection(spark, "peek1m", as_of).toArrow()`` of the same 1M-row
   collection through the ``shardsink`` Spark batch source (local[2] session, already warm:
   median of 3 after one untimed read)
 
-``--quick`` shrinks every size (for smoke runs).
+``--quick`` shrinks every size (for smoke runs); ``--no-cluster`` skips the standalone cluster
+(its figures are then null); ``--compaction-rows N`` sets the rows of each of the 20 batches
+compacted (default 50,000; 5,000 with ``--quick``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from shared.codec import message_codec  # noqa: E402
 from shared.embedded import EmbeddedStack  # noqa: E402
 from shared.io.kafka import new_consumer  # noqa: E402
 from shared.shard import Shard  # noqa: E402
+from shared.state import plan_merge  # noqa: E402
 
 SCHEMA = {
     "type": "record",
@@ -174,33 +183,77 @@ def bench_subscribe_lag(stack: EmbeddedStack, client: ControllerClient, store: o
     return p50, p99
 
 
-def bench_compaction(client: ControllerClient, store: object, batches: int, rows: int) -> float:
-    create(client, "compact")
-    shard = Shard(store, "compact")  # type: ignore[arg-type]
+def bench_compaction(client: ControllerClient, store: object, batches: int, rows: int,
+                     cid: str = "compact") -> tuple[float, float]:
+    """(MB/s, rows/s) of merging ``batches`` batches of ``rows`` rows below a moved since."""
+    create(client, cid)
+    shard = Shard(store, cid)  # type: ignore[arg-type]
     for i in range(batches):
         shard.compare_and_append(rows_table(i * rows, rows, i), i, i + 1)
-    st = shard.refresh()
+    # Let the controller's tiered compaction of the appends settle first.
+    st, quiet_since = shard.refresh(), time.monotonic()
+    while time.monotonic() - quiet_since < 1.0:
+        time.sleep(0.1)
+        now = shard.refresh()
+        if now.seqno != st.seqno or plan_merge(now) is not None:
+            st, quiet_since = now, time.monotonic()
     # The controller's tiered compaction may already have merged some: count what is there.
+    keys = {p.key for b in st.batches for p in b.parts}
     nbytes = sum(p.bytes for b in st.batches for p in b.parts)
-    t0 = time.perf_counter()
-    r = client.call("SetReadPolicy", {"collection_id": "compact", "policy": ("io.shardsink.v1.LagWritesBy",
-                                                                               {"lag": 0, "granularity": None})})
+    nrows = sum(p.rows for b in st.batches for p in b.parts)
+    t0_ms = time.time() * 1000
+    r = client.call("SetReadPolicy", {"collection_id": cid, "policy": ("io.shardsink.v1.LagWritesBy",
+                                                                         {"lag": 0, "granularity": None})},
+                    timeout_s=600)
     assert body_kind(r) == "Ack", r
     while True:
         st = shard.refresh()
         if st.since.time == batches and len([b for b in st.batches if b.upper.less_equal(st.since)]) <= 1:
             break
-        time.sleep(0.01)
-    dt = time.perf_counter() - t0
+        time.sleep(0.05)
+    done_ms = max(x.retired_ms for x in st.retired if x.key in keys)
+    dt = (done_ms - t0_ms) / 1000.0
     mb = nbytes / 1e6
-    log(f"compaction: {mb:.1f} MB in {dt:.2f}s ({len(st.batches)} batches left)")
-    return mb / dt
+    log(f"compaction {cid}: {mb:.1f} MB, {nrows} rows in {dt:.3f}s ({len(st.batches)} batches left)")
+    return mb / dt, nrows / dt
+
+
+def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> tuple[float, float]:
+    """The compaction as a Spark job on a standalone cluster of 2 workers x 1 core."""
+    from dataclasses import replace
+
+    from services.controller.spark_jobs import SparkJobSettings
+    from shared.embedded import SparkStandalone
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    with SparkStandalone(workers=2, cores=1) as cluster:
+        env = {**stack.env(), "SHARDSINK_S3_PREFIX": f"bench-cluster-{uuid.uuid4().hex[:8]}"}
+        svc = ServiceSettings.from_env_and_args(None, env)
+        u = uuid.uuid4().hex[:8]
+        cs = ControllerSettings(svc, commands_topic=f"commands-c{u}", responses_topic=f"responses-c{u}")
+        cs = replace(cs, spark=SparkJobSettings(master=cluster.master_url, min_bytes=0, gc_min_objects=1 << 40))
+        controller = Controller(cs).start()
+        client = ControllerClient(svc.kafka, commands_topic=cs.commands_topic, responses_topic=cs.responses_topic)
+        try:
+            bench_compaction(client, svc.store(), batches, max(rows // 10, 1), "warm-up")
+            out = bench_compaction(client, svc.store(), batches, rows, "compact-cluster")
+            assert controller.spark_jobs is not None
+            jobs = dict(controller.spark_jobs.jobs)
+            log(f"controller jobs on the cluster: {jobs}")
+            assert jobs.get(("merge", "fallback"), 0) == 0, jobs
+            return out
+        finally:
+            controller.stop()
+            client.close()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-cluster", action="store_true")
+    ap.add_argument("--compaction-rows", type=int)
     args = ap.parse_args()
+    comp_n = args.compaction_rows or (5_000 if args.quick else 50_000)
     peek_rows = 100_000 if args.quick else 1_000_000
     lag_n = 30 if args.quick else 200
     with EmbeddedStack() as stack:
@@ -215,17 +268,22 @@ def main() -> int:
         try:
             peek_s = bench_peek(client, store, peek_rows)
             p50, p99 = bench_subscribe_lag(stack, client, store, lag_n)
-            comp = bench_compaction(client, store, 20, 5_000 if args.quick else 50_000)
-            spark_read_s = bench_spark_read(svc, peek_rows)
+            comp, comp_rows = bench_compaction(client, store, 20, comp_n)
         finally:
             controller.stop()
             client.close()
+        comp_cluster = None if args.no_cluster else bench_compaction_cluster(stack, 20, comp_n)[0]
+        spark_read_s = bench_spark_read(svc, peek_rows)
     out = {
         "peek_1m_rows_s": round(peek_s, 3),
         "peek_rows": peek_rows,
         "subscribe_lag_p50_s": round(p50, 4),
         "subscribe_lag_p99_s": round(p99, 4),
         "compaction_mb_per_s": round(comp, 2),
+        "compaction_rows_per_s": round(comp_rows),
+        "compaction_rows": 20 * comp_n,
+        "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),
+        "compaction_cluster_vs_local": None if comp_cluster is None else round(comp_cluster / comp, 3),
         "spark_read_1m_rows_s": round(spark_read_s, 3),
         "quick": args.quick,
         "cpus": os.cpu_count(),

@@ -153,6 +153,16 @@ class ControllerCollector(Collector):
         subs = GaugeMetricFamily("shardsink_controller_subscribes", "running subscribes")
         subs.add_metric([], len(getattr(c.section, "subscribes", {}) or {}))
         yield subs
+        jobs = CounterMetricFamily(
+            "shardsink_controller_spark_jobs",
+            "controller work sent to Spark, by kind (merge, sweep, peek, snapshot) and outcome "
+            "(spark: done there; fallback: failed or timed out there, done in-process)",
+            labels=["kind", "outcome"],
+        )
+        spark_jobs = getattr(c, "spark_jobs", None)
+        for (kind, outcome), n in sorted((spark_jobs.counts() if spark_jobs is not None else {}).items()):
+            jobs.add_metric([kind, outcome], n)
+        yield jobs
 
 
 def start_controller_metrics(controller: Any, port: int | None = None) -> int | None:

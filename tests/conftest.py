@@ -1,7 +1,10 @@
-"""Shared fixtures: one embedded stack (Tansu + moto) and one SparkSession per test session.
+"""Shared fixtures: one embedded stack (Tansu + moto) and one SparkSession per test session,
+and a Spark standalone cluster per module that asks for one.
 
-Both are expensive to start (the SparkSession takes about 5 s), so they are session-scoped;
-tests isolate themselves by using fresh shard ids, topic names and checkpoint dirs.
+The stack and the session are expensive to start (the SparkSession takes about 5 s), so they
+are session-scoped; tests isolate themselves by using fresh shard ids, topic names and
+checkpoint dirs. A standalone cluster holds the machine's cores while it runs, so it lives
+as long as the module that uses it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from shared.embedded import EmbeddedStack
+from shared.embedded import EmbeddedStack, SparkStandalone
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -56,6 +59,14 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkStandalone]:
+    """A Spark standalone master and two workers of one core each on 127.0.0.1, started from
+    the pyspark wheel's ``spark-class`` (applications attach with ``master_url``)."""
+    with SparkStandalone(workers=2, cores=1, log_dir=tmp_path_factory.mktemp("spark-cluster")) as c:
+        yield c
 
 
 @pytest.fixture

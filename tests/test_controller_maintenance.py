@@ -20,6 +20,7 @@ from services.controller.service import Controller, Maintenance
 from shared.embedded import EmbeddedStack
 from shared.objectstore import FaultPlan, FaultyObjectStore, MemoryObjectStore
 from shared.shard import Shard
+from shared.state import plan_merge
 from tests.controller_fixture import (
     append_body,
     client_for,
@@ -72,6 +73,29 @@ def test_worker_collapses_history_below_since_and_keeps_contents() -> None:
         assert shard.refresh().batches[0].since.time == 12
         assert _contents(shard, 12) == before
         assert m.errors == 0
+    finally:
+        m.stop()
+
+
+def test_worker_merges_batches_appended_by_others_since_its_last_job() -> None:
+    """The tiered compaction plans from the head the loop saw, not from the worker's cached
+    head (confirmed only every half grace period): appends by the sink since the worker's
+    last job are merged at once."""
+    store = MemoryObjectStore()
+    shard = _shard_with_batches(store, 1)
+    m = Maintenance(store, grace_ms=600_000)
+    try:
+        m.request("m", compact=True)  # the worker's handle now caches a head of 1 batch
+        _wait(lambda: m.idle() and m.jobs_done >= 1)
+        for t in range(2, 18):
+            shard.compare_and_append([({"k": t}, t, 1), ({"k": 1000 + t}, t, 1)], t, t + 1)
+        assert len(shard.refresh().batches) == 17
+        m.request("m", compact=True)
+        _wait(lambda: m.idle() and m.jobs_done >= 2)
+        st = shard.refresh()
+        assert len(st.batches) < 17 and plan_merge(st) is None, f"expected the appends merged, found {len(st.batches)}"
+        assert _contents(shard, 17) == sorted([(0, 1), (1000, 1)] + [(t, 1) for t in range(2, 18)]
+                                              + [(1000 + t, 1) for t in range(2, 18)])
     finally:
         m.stop()
 

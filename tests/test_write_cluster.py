@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,16 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 WAIT_S = 300.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkStandalone]:
-    with SparkStandalone(workers=2, cores=1, log_dir=tmp_path_factory.mktemp("spark-cluster")) as c:
-        yield c
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_the_sink_on_a_standalone_cluster_survives_a_killed_executor(
-    stack: EmbeddedStack, cluster: SparkStandalone, unique_id: str, tmp_path: Path
+    stack: EmbeddedStack, standalone_cluster: SparkStandalone, unique_id: str, tmp_path: Path
 ) -> None:
     from services.common import ServiceSettings
     from services.runner import ensure_control_topics
@@ -48,6 +41,7 @@ def test_the_sink_on_a_standalone_cluster_survives_a_killed_executor(
     from shared.catalog import SinkDef
     from shared.io.kafka_admin import ensure_topic
 
+    cluster = standalone_cluster
     env = {
         **os.environ,
         **stack.env(),

@@ -83,6 +83,7 @@ from shared.state import CRITICAL, ShardState
 
 if TYPE_CHECKING:
     from services.controller.maintenance import Maintenance
+    from services.controller.spark_jobs import ControllerSpark
 
 log = logging.getLogger("shardsink")
 
@@ -124,6 +125,14 @@ class CommandLoop:
         self.consumer: Any = None
         self._probe: Any = None  # a long-lived OffsetProbe (output partition ends)
         self.maintenance: Maintenance | None = None
+        #: The Spark driver of the data-heavy work, when a master is set (spark_jobs.py).
+        self.spark_jobs: ControllerSpark | None = None
+        if self.settings.spark.enabled:
+            from services.controller.spark_jobs import ControllerSpark, controller_session
+
+            master = self.settings.spark.master
+            assert master is not None
+            self.spark_jobs = ControllerSpark(self.settings.spark, s.s3, lambda: controller_session(s, master))
 
     # ==============================================================================================
     # recovery (reconciliation with what the catalog and the shards say)
@@ -145,6 +154,8 @@ class CommandLoop:
         # metadata refresh of this producer, which would re-create it on brokers that create
         # topics on demand.
         self.producer = ControlProducer.create(k, "controller", auto_create_topics=False)
+        if self.spark_jobs is not None:
+            self.spark_jobs.start()  # in the background: the first job waits for it
         self.catalog = Catalog(self.store)
         # 1. fence out any older controller: from now on its catalog writes fail.
         self.epoch = self.catalog.claim_controller_epoch()

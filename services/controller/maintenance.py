@@ -9,6 +9,9 @@ Contract:
   ``reclaim[collection_id]`` in the catalog until a collection's storage is gone;
 - outputs: merged batches (conditional state writes), deleted garbage (parts no state
   references, old states, old catalog states), a dropped collection's objects deleted;
+  with a Spark master set, large merges and sweeps run as Spark jobs
+  (:mod:`services.controller.spark_jobs`: executors read, merge and write parts; the
+  merged batch is still swapped in here, by one conditional state write);
 - invariants: a merge commits only if its batches are all still there (racing appends,
   other compactors or a drop are safe); gc never deletes what a live reader may still read;
   a failed job is retried after a pause (backoff up to 30 s); a reclaim is finished by the
@@ -22,11 +25,17 @@ import time
 from typing import Any
 
 from services.controller.loop import CommandLoop, log
+from services.controller.spark_jobs import ControllerSpark
 from shared.catalog import CatalogState, CollectionDef
 from shared.controller_state import ControllerSection
 from shared.errors import ShardDroppedError, ShardNotFoundError
 from shared.objectstore import now_ms
 from shared.shard import Shard
+
+
+def shard_jobs(jobs: ControllerSpark | None) -> dict[str, Any]:
+    """A shard handle's merger and sweeper: Spark's for large work when a master is set."""
+    return {} if jobs is None else {"merger": jobs.merger, "sweeper": jobs.sweeper}
 
 
 class Maintenance:
@@ -39,9 +48,11 @@ class Maintenance:
     per collection is pending: requests for a collection already waiting merge into it.
     """
 
-    def __init__(self, store: Any, grace_ms: int, *, max_merges: int = 8) -> None:
+    def __init__(self, store: Any, grace_ms: int, *, max_merges: int = 8, jobs: ControllerSpark | None = None) -> None:
         self.store = store
         self.grace_ms = grace_ms
+        #: Large merges and sweeps go to Spark through it (None: all in this process).
+        self.jobs = jobs
         self.max_merges = max_merges
         self._jobs: dict[str, dict[str, bool]] = {}
         self._shards: dict[str, Shard] = {}
@@ -88,7 +99,7 @@ class Maintenance:
                 job = self._jobs.pop(cid)
                 shard = self._shards.get(cid)
                 if shard is None:
-                    shard = self._shards[cid] = Shard(self.store, cid, grace_ms=self.grace_ms)
+                    shard = self._shards[cid] = Shard(self.store, cid, grace_ms=self.grace_ms, **shard_jobs(self.jobs))
                 self._busy = True
             retry = False
             try:
@@ -112,6 +123,12 @@ class Maintenance:
                 self.request(cid, **job)
 
     def _do(self, cid: str, shard: Shard, job: dict[str, bool]) -> None:
+        # The job was asked for because the loop saw a new head (appends by the sink, a moved
+        # since): plan from it, not from this handle's cached head, which is confirmed only
+        # every half grace period and would hide those appends from the tiered compaction
+        # (compact_below_since reads the head itself).
+        if not job["below_since"]:
+            shard.refresh()
         if job["below_since"]:
             shard.compact_below_since()
         if job["below_since"] or job["compact"]:
@@ -125,13 +142,13 @@ class MaintenanceRoom(CommandLoop):
     """The controller's maintenance room (see the module docstring)."""
 
     def _start_maintenance(self) -> None:
-        self.maintenance = Maintenance(self.store, self.settings.service.grace_ms)
+        self.maintenance = Maintenance(self.store, self.settings.service.grace_ms, jobs=self.spark_jobs)
 
     # -- drops -----------------------------------------------------------------------------------
     def _reclaim(self) -> None:
         done: list[str] = []
         for cid, due in self.section.reclaim.items():
-            shard = Shard(self.store, cid, grace_ms=self.settings.service.grace_ms)
+            shard = Shard(self.store, cid, grace_ms=self.settings.service.grace_ms, **shard_jobs(self.spark_jobs))
             try:
                 shard.drop()
             except ShardNotFoundError:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common import ServiceSettings
+from services.controller.spark_jobs import SparkJobSettings
 from shared.codec import RowCodec
 from shared.controller_state import Capabilities
 from shared.shard import Shard
@@ -45,6 +46,8 @@ class ControllerSettings:
     reclaim_grace_ms: int = 0
     #: Commit the command offset when idle for this long.
     idle_commit_ms: int = 500
+    #: Data-heavy work as Spark jobs (services/controller/spark_jobs.py); no master: none.
+    spark: SparkJobSettings = SparkJobSettings()
 
     def __post_init__(self) -> None:
         if self.tick_ms <= 0 or self.peek_timeout_ms < 0 or self.max_inline_bytes < 0 or self.log_max_entries < 1:

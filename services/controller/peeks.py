@@ -7,7 +7,10 @@ Contract:
   restart resumes them); a waiting peek holds its collection's since at its as-of
   (capabilities.py);
 - outputs: ``PeekResult`` with the rows inline (small results) or as a Parquet object on
-  S3 that the answer names; ``PeekCanceled``; typed errors (``ReadBeforeSince`` at once,
+  S3 that the answer names (format ``parquet``), or, for a peek of a large collection with a
+  Spark master set, as a folder of Parquet objects written by Spark's executors, one per
+  row bucket (format ``parquet-dataset``: the row columns, ``_error``, ``_diff``;
+  ``services/controller/spark_jobs.py``); ``PeekCanceled``; typed errors (``ReadBeforeSince`` at once,
   ``NotReadableYet`` after the peek timeout, ``IdentifierMissing`` when the collection is
   dropped while the peek waits);
 - invariants: a peek is answered exactly once (its pending log entry is replaced by the
@@ -22,17 +25,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from services.controller.loop import CommandLoop
-from services.controller.model import PendingPeek, b64, digest
+from services.controller.model import OpenCollection, PendingPeek, b64, digest
+from services.controller.spark_jobs import StoredPeek
 from shared.avro_arrow import arrow_to_rows
 from shared.catalog import CatalogState, CollectionDef
 from shared.codec import tagged
 from shared.controller_state import CommandRejected, ControllerSection, is_readable
 from shared.errors import NotReadableYetError, ShardDroppedError, SinceViolationError
 from shared.frontier import Frontier
-from shared.shard import DIFF, ERROR
+from shared.shard import DIFF, ERROR, dictionary_columns
 from shared.state import ShardState
 
 
@@ -83,36 +88,57 @@ class PeeksRoom(CommandLoop):
 
     def _peek_response(self, peek: PendingPeek) -> bytes:
         col = self.collections[peek.collection_id]
-        table = col.shard.snapshot(peek.as_of)
-        if peek.limit is not None:
-            table = table.slice(0, peek.limit)
-        row_cols = col.shard.row_columns
-        has_errors = table.num_rows > 0 and table[ERROR].null_count != table.num_rows
+
+        def here() -> pa.Table:
+            table = col.shard.snapshot(peek.as_of)
+            return table if peek.limit is None else table.slice(0, peek.limit)
+
+        name = f"peeks/{peek.collection_id}/{digest(peek.command_id)}"
+        got = here() if self.spark_jobs is None else self.spark_jobs.peek(
+            col.shard, peek.as_of, peek.limit, f"{name}/", here)
         result: tuple[str, dict[str, Any]] | None = None
-        if not has_errors and table.nbytes <= 4 * peek.max_inline + 1024:
-            rows = arrow_to_rows(table.select(row_cols), col.row_codec.schema)
-            encoded = [col.row_codec.encode(r) for r in rows]
-            size = sum(len(e) + 10 for e in encoded)
-            if size <= peek.max_inline:
-                diffs = table[DIFF].to_pylist()
-                result = tagged(
-                    "InlineRows", {"rows": [{"row": e, "count": int(d)} for e, d in zip(encoded, diffs, strict=True)]}
-                )
-        if result is None:
-            out = table.select([*row_cols, *([ERROR] if has_errors else []), DIFF])
-            buf = io.BytesIO()
-            pq.write_table(out, buf, compression="snappy")
-            key = f"peeks/{peek.collection_id}/{digest(peek.command_id)}.parquet"
-            self.store.put(key, buf.getvalue())
-            prefix = self.settings.service.s3.prefix
-            full = (prefix.rstrip("/") + "/" if prefix else "") + key
-            result = tagged(
-                "StoredRows",
-                {"bucket": self.settings.service.s3.bucket, "key": full, "format": "parquet", "row_count": out.num_rows},
-            )
+        if isinstance(got, StoredPeek):
+            # Answered by Spark: one object per bucket under the folder, or inline when few.
+            assert self.spark_jobs is not None
+            if got.errors == 0 and got.nbytes <= 4 * peek.max_inline + 1024:
+                result = self._inline_rows(col, self.spark_jobs.read_peek(col.shard, got), peek.max_inline)
+                if result is not None:
+                    self.store.delete_many([o["key"] for o in got.objects])
+            if result is None:
+                result = tagged("StoredRows", {"bucket": self.settings.service.s3.bucket, "key": self._full_key(got.folder),
+                                               "format": "parquet-dataset", "row_count": got.rows})
+        else:
+            table = got
+            has_errors = table.num_rows > 0 and table[ERROR].null_count != table.num_rows
+            if not has_errors and table.nbytes <= 4 * peek.max_inline + 1024:
+                result = self._inline_rows(col, table, peek.max_inline)
+            if result is None:
+                out = table.select([*col.shard.row_columns, *([ERROR] if has_errors else []), DIFF])
+                buf = io.BytesIO()
+                pq.write_table(out, buf, compression="snappy", use_dictionary=dictionary_columns(out))
+                key = f"{name}.parquet"
+                self.store.put(key, buf.getvalue())
+                result = tagged("StoredRows", {"bucket": self.settings.service.s3.bucket, "key": self._full_key(key),
+                                               "format": "parquet", "row_count": out.num_rows})
         return self._encode_response(
             peek.command_id, "PeekResult", {"collection_id": peek.collection_id, "as_of": peek.as_of, "result": result}
         )
+
+    @staticmethod
+    def _inline_rows(col: OpenCollection, table: pa.Table, max_inline: int) -> tuple[str, dict[str, Any]] | None:
+        """The rows as ``InlineRows`` when they encode within ``max_inline`` bytes (no error rows)."""
+        if table.num_rows and table[ERROR].null_count != table.num_rows:
+            return None
+        rows = arrow_to_rows(table.select(col.shard.row_columns), col.row_codec.schema)
+        encoded = [col.row_codec.encode(r) for r in rows]
+        if sum(len(e) + 10 for e in encoded) > max_inline:
+            return None
+        diffs = table[DIFF].to_pylist()
+        return tagged("InlineRows", {"rows": [{"row": e, "count": int(d)} for e, d in zip(encoded, diffs, strict=True)]})
+
+    def _full_key(self, key: str) -> str:
+        prefix = self.settings.service.s3.prefix
+        return (prefix.rstrip("/") + "/" if prefix else "") + key
 
     def _retire_peek(self, peek: PendingPeek, response: bytes | Callable[[str], bytes] | None = None) -> None:
         """Answer a logged (pending) peek: replace its log entry by the response."""

@@ -3,9 +3,11 @@
 It owns the catalog (collections, sinks, read policies), a critical reader hold on every
 collection's shard (so since = the meet of the read policy's implied capability and the
 holds of peeks, subscribes and sinks), frontier reporting, peeks, subscribes and drops.
-Not a Spark application: one process, one thread for the loop and one maintenance worker
-that compacts and garbage-collects shards off the loop (a merge of many batches must not
-delay the answer to a peek).
+One process, one thread for the loop and one maintenance worker that compacts and
+garbage-collects shards off the loop (a merge of many batches must not delay the answer to a
+peek). With ``SHARDSINK_CONTROLLER_SPARK_MASTER`` set it is also a Spark driver: large
+merges, gc sweeps, peeks and subscribe snapshots run as Spark jobs on the executors
+(``spark_jobs.py``), while the loop, the catalog and every shard state write stay here.
 
 Rooms (each module opens with its contract; the pure decisions are in
 :mod:`shared.controller_state`):
@@ -24,6 +26,7 @@ module                 responsibility
 ``capabilities.py``    read capabilities and since (holds, ``downgrade_since``)
 ``frontiers.py``       ``FrontierUpper`` reports
 ``maintenance.py``     the compaction/gc worker thread, reclaiming dropped collections
+``spark_jobs.py``      merges, gc sweeps, peeks and snapshots as Spark jobs (large work)
 ``client.py``          the client side: send a command, wait for its response
 =====================  ======================================================================
 """
@@ -99,6 +102,11 @@ class Controller(CollectionsRoom, PeeksRoom, SubscribesRoom, CapabilitiesRoom, F
                     return
         finally:
             self._ready.set()
+            if self.spark_jobs is not None:
+                try:
+                    self.spark_jobs.stop()
+                except Exception as e:  # noqa: BLE001 - stopping: nothing left to do about it
+                    log.warning("controller: stopping the Spark session failed: %r", e)
 
     def run(self) -> None:
         """Recover, then serve until stopped or fenced."""

@@ -30,8 +30,9 @@ The pure decisions (the next step, the hold, finality) are in
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -56,6 +57,14 @@ from shared.state import ShardState
 #: step gives up for this tick after this many failed chunks.
 _SUB_CHUNK = 1000
 _SUB_FAILURES = 100
+
+
+def encode_changes(codec: Any, sid: str, changes: list[tuple[int, bytes | None, int, str | None]]) -> list[bytes]:
+    """Changes ``(time, row bytes, diff, error)`` as the subscribe messages of ``sid``, sorted
+    by (time, error?, row or error bytes, diff): the deterministic order of a step."""
+    changes = sorted(changes, key=lambda c: (c[0], c[3] is not None, c[1] or (c[3] or "").encode(), c[2]))
+    return [bytes(codec.encode({"subscribe_id": sid, "time": t, "progressed": False, "diff": d, "row": row,
+                                "error": err})) for t, row, d, err in changes]
 
 
 class SubscribesRoom(CommandLoop):
@@ -189,7 +198,7 @@ class SubscribesRoom(CommandLoop):
 
         self._commit(t)
 
-    def _produce_step(self, sid: str, topic: str, msgs: list[bytes], known: tuple[int, int]) -> None:
+    def _produce_step(self, sid: str, topic: str, msgs: Iterable[bytes], known: tuple[int, int]) -> None:
         """Make ``msgs`` the messages of subscribe ``sid`` on ``topic`` after the step's start.
 
         ``known = (n, pos)``: the first ``n`` of ``msgs`` are on the topic, all before offset
@@ -203,8 +212,15 @@ class SubscribesRoom(CommandLoop):
         """
         n, pos = known
         failures = 0
-        while n < len(msgs):
-            chunk = msgs[n : n + _SUB_CHUNK]
+        it = iter(msgs)
+        for _ in itertools.islice(it, n):  # already on the topic
+            pass
+        chunk: list[bytes] = []
+        while True:
+            if not chunk:
+                chunk = list(itertools.islice(it, _SUB_CHUNK))
+                if not chunk:
+                    return
             delivered = [-1]
 
             def on_delivery(err: Any, msg: Any, delivered: list[int] = delivered) -> None:
@@ -222,9 +238,9 @@ class SubscribesRoom(CommandLoop):
                 if failures >= _SUB_FAILURES:
                     raise
                 landed, pos = self._count_on_topic(topic, sid, pos)
-                n += landed
+                chunk = chunk[landed:]
                 continue
-            n += len(chunk)
+            chunk = []
             pos = max(pos, delivered[0] + 1)
 
     def _produce_sub(self, topic: str, value: bytes, sid: str, on_delivery: Callable[[Any, Any], None]) -> None:
@@ -236,10 +252,16 @@ class SubscribesRoom(CommandLoop):
             except BufferError:
                 self.producer.producer.poll(0.05)
 
-    def _step_messages(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool, lower_kind: str | None) -> list[bytes]:
-        """The (deterministic) messages of one step: sorted changes, progress, final."""
+    def _step_messages(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool,
+                       lower_kind: str | None) -> Iterable[bytes]:
+        """The (deterministic) messages of one step: sorted changes, progress, final.
+
+        A snapshot of a large collection, with a Spark master set, is computed and sorted by
+        Spark's executors and streamed from them (``spark_jobs.py``); its times are all
+        ``as_of``, before every later change, so it comes first in the same order."""
         enc = self.sub_codec.encode
         out: list[bytes] = []
+        head: Iterable[bytes] = ()
         cid = sub["collection_id"]
         if lower_kind != "final" and cid in self.collections:
             col = self.collections[cid]
@@ -250,21 +272,28 @@ class SubscribesRoom(CommandLoop):
             if progress is None:
                 lower = as_of + 1
                 if sub.get("with_snapshot", True):
-                    snap = col.shard.snapshot(as_of)
-                    changes += self._changes(col, snap, as_of)
+                    def here() -> list[bytes]:
+                        return self._encoded(sid, self._changes(col, col.shard.snapshot(as_of), as_of))
+
+                    if self.spark_jobs is None:
+                        head = here()
+                    else:
+                        head = self.spark_jobs.snapshot_messages(col.shard, as_of, sid, col.row_codec.schema, here)
             else:
                 lower = int(progress)
             if to.is_empty() or lower < (to.time or 0):
                 table = col.shard.updates_between(state, lower, to)
                 changes += self._changes(col, table, None)
-            changes.sort(key=lambda c: (c[0], c[3] is not None, c[1] or (c[3] or "").encode(), c[2]))
-            for t, row, d, err in changes:
-                out.append(enc({"subscribe_id": sid, "time": t, "progressed": False, "diff": d, "row": row, "error": err}))
+            out += self._encoded(sid, changes)
             if not to.is_empty():
-                out.append(enc({"subscribe_id": sid, "time": to.time, "progressed": True, "diff": None, "row": None}))
+                out.append(bytes(enc({"subscribe_id": sid, "time": to.time, "progressed": True, "diff": None,
+                                      "row": None})))
         if final:
-            out.append(enc({"subscribe_id": sid, "time": None, "progressed": True, "diff": None, "row": None}))
-        return [bytes(m) for m in out]
+            out.append(bytes(enc({"subscribe_id": sid, "time": None, "progressed": True, "diff": None, "row": None})))
+        return itertools.chain(head, out)
+
+    def _encoded(self, sid: str, changes: list[tuple[int, bytes | None, int, str | None]]) -> list[bytes]:
+        return encode_changes(self.sub_codec, sid, changes)
 
     @staticmethod
     def _changes(col: OpenCollection, table: pa.Table, at: int | None) -> list[tuple[int, bytes | None, int, str | None]]:

@@ -295,7 +295,6 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
 
     The controller's own ``limit`` keeps whichever rows its snapshot lists first, so the CLI
     asks for all of them and applies the limit itself after sorting."""
-    import pyarrow.parquet as pq
 
     from shared.avro_arrow import rows_to_arrow
     from shared.io.client import _sorted_by_row
@@ -312,8 +311,7 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
         table = rows_to_arrow(rows, codec.schema)
         table = table.append_column("count", pa.array([int(rc["count"]) for rc in res["rows"]], pa.int64()))
     else:
-        data = _download(session.settings, res["bucket"], res["key"])
-        table = pq.read_table(io.BytesIO(data))
+        table = _stored_rows(session.settings, res)
         table = table.rename_columns(["count" if c == "_diff" else c for c in table.column_names])
     table = _sorted_by_row(table, [f["name"] for f in codec.schema.get("fields", [])])
     table = table.cast(_peek_schema(table.schema, codec.schema))
@@ -321,6 +319,28 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
     if limit is not None:
         table = table.slice(0, limit)
     return int(body["as_of"]), table, total
+
+
+def _stored_rows(s: Any, res: dict[str, Any]) -> pa.Table:
+    """A ``StoredRows`` answer read back: one Parquet object (format ``parquet``), or every
+    object under a folder (``parquet-dataset``: a peek the controller ran on Spark, one object
+    per row bucket, always with an ``_error`` column, dropped here when no row has one)."""
+    import pyarrow.parquet as pq
+
+    from shared.errors import ObjectStoreError
+
+    if res.get("format", "parquet") != "parquet-dataset":
+        return pq.read_table(io.BytesIO(_download(s, res["bucket"], res["key"])))
+    client = s.store().client
+    try:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=res["bucket"], Prefix=res["key"])
+        keys = sorted(o["Key"] for page in pages for o in page.get("Contents", []) or [])
+    except Exception as e:  # noqa: BLE001 - botocore errors as one of ours
+        raise ObjectStoreError(f"expected to list s3://{res['bucket']}/{res['key']}, found {type(e).__name__}: {e}") from e
+    table = pa.concat_tables([pq.read_table(io.BytesIO(_download(s, res["bucket"], k))) for k in keys])
+    if "_error" in table.column_names and table["_error"].null_count == table.num_rows:
+        table = table.drop_columns(["_error"])
+    return table
 
 
 def _peek_schema(have: pa.Schema, row_schema: dict[str, Any]) -> pa.Schema:

@@ -158,8 +158,10 @@ def row_buckets(table: pa.Table, columns: Sequence[str], n: int) -> np.ndarray:
     """A bucket in ``[0, n)`` per row, a function of the values only (equal rows, equal bucket).
 
     Each column contributes an integer (integers and times their value, floats their bits,
-    strings and binaries their length, lists and maps their length, other types 0; nulls 0),
-    mixed multiplicatively; the spread is good on ids and keys, and never wrong elsewhere.
+    strings and binaries a hash of their bytes, lists and maps their length, other types 0;
+    nulls 0), mixed multiplicatively; the spread is good on ids and keys, and never wrong
+    elsewhere. The controller's Spark jobs (services/controller/spark_jobs.py) route rows to
+    their merge task with it.
     """
     h = np.zeros(table.num_rows, dtype=np.uint64)
     for name in columns:
@@ -181,7 +183,7 @@ def _contribution(col: pa.ChunkedArray) -> np.ndarray:
             arr = pc.cast(arr, pa.int64(), safe=False)
         elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) \
                 or pa.types.is_large_binary(t):
-            arr = pc.cast(pc.binary_length(arr), pa.int64())
+            return _bytes_hash(arr)
         elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
             arr = pc.cast(pc.list_value_length(arr), pa.int64())
         else:
@@ -189,6 +191,42 @@ def _contribution(col: pa.ChunkedArray) -> np.ndarray:
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
         return np.zeros(len(arr), dtype=np.uint64)
     return pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).view(np.uint64)
+
+
+#: Per-position multipliers of the byte hash (odd, fixed: every process hashes alike).
+_HASH_BLOCK = 256 * 1024
+_BYTE_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 2**63, 256, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+def _bytes_hash(arr: pa.Array) -> np.ndarray:
+    """A hash of each value's bytes (strings, binaries), vectorised: the sum over its bytes of
+    ``(byte + 1) * weight[position % 256]``, mixed with its length; nulls 0. Computed over
+    blocks of about 256 KiB of values, so that the temporaries stay small."""
+    large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
+    arr = arr.cast(pa.large_binary() if large else pa.binary())
+    n = len(arr)
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64 if large else np.int32)[arr.offset : arr.offset + n + 1]
+    offsets = offsets.astype(np.int64)
+    lens = np.diff(offsets)
+    out = lens.astype(np.uint64) * _MIX
+    data = np.frombuffer(arr.buffers()[2], dtype=np.uint8) if arr.buffers()[2] is not None else np.zeros(0, np.uint8)
+    i = 0
+    while i < n:
+        # the values [i, j) hold about _HASH_BLOCK bytes (at least one value)
+        j = int(np.searchsorted(offsets, offsets[i] + _HASH_BLOCK, side="right")) - 1
+        j = min(max(j, i + 1), n)
+        base, end = int(offsets[i]), int(offsets[j])
+        if end > base:
+            starts = np.asarray(offsets[i:j] - base, dtype=np.int64)
+            ls = lens[i:j]
+            pos = np.arange(end - base, dtype=np.int64) - np.repeat(starts, ls)
+            contrib = (data[base:end].astype(np.uint64) + np.uint64(1)) * _BYTE_WEIGHTS[pos & 255]
+            nonempty = ls > 0
+            out[i:j][nonempty] ^= np.add.reduceat(contrib, starts[nonempty])
+        i = j
+    if arr.null_count:
+        out[~pc.is_valid(arr).to_numpy(zero_copy_only=False)] = 0
+    return out
 
 
 def read_bucket(
