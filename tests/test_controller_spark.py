@@ -49,7 +49,7 @@ from shared.frontier import Frontier
 from shared.io.kafka_admin import ensure_topic
 from shared.shard import DIFF, ERROR, Shard
 from shared.state import FANOUT, check_invariants, plan_merge
-from tests.controller_fixture import create_body, lag, ok, read_subscribe
+from tests.controller_fixture import create_body, lag, read_subscribe
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = {
