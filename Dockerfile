@@ -1,8 +1,9 @@
-# The image of every shardsink service: Python 3.11, Java 17 (for Spark), pyspark, the project.
+# The image of every shardsink service: Python 3.11, Java 17 (for Spark; the JDK, whose javac
+# builds the services' Hadoop classes in services/java), pyspark, the project.
 FROM python:3.11-slim-bookworm
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps tini \
+    && apt-get install -y --no-install-recommends openjdk-17-jdk-headless procps tini \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
@@ -12,8 +13,9 @@ COPY shared ./shared
 COPY services ./services
 COPY schemas ./schemas
 RUN pip install --no-cache-dir .
-# The driver JVM's class-data archive (services/jvm.py): a service's SparkSession starts 3-4 s
-# sooner with it. Built for this image's JDK and jars; a service starts without it if it fails.
+# The services' Hadoop jar (local files without a chmod process each), then the driver JVM's
+# class-data archive (services/jvm.py): a service's SparkSession starts 3-4 s sooner with it.
+# Built for this image's JDK and jars; a service starts without them if the build fails.
 RUN python -m services.jvm build || echo "no class-data archive: services start without it"
 
 ENV PYSPARK_PYTHON=python3 \

@@ -352,12 +352,21 @@ LOG4J2_CONF = Path(__file__).resolve().parent / "log4j2.properties"
 def with_service_defaults(builder: Any) -> Any:
     """The settings every shardsink Spark application runs with (the services, the tests'
     session, the benchmarks' baselines); a user's ``PYSPARK_SUBMIT_ARGS`` overrides them."""
-    from services.jvm import driver_java_options
+    from services.jvm import NIO_FILE_SYSTEM, driver_java_options, hadoop_jar
 
     # The class-data archive (services/jvm.py) and the services' log configuration (warnings
     # and errors on stderr, without the default profile's start-up notices).
     java_options = " ".join(o for o in (driver_java_options(), f"-Dlog4j2.configurationFile=file:{LOG4J2_CONF}") if o)
     builder = builder.config("spark.driver.defaultJavaOptions", java_options)
+    jar = hadoop_jar()
+    if jar is not None and not os.environ.get("PYSPARK_GATEWAY_PORT"):
+        # Local paths without a chmod process per file (services/jvm.py). Only when this
+        # process launches the JVM: under spark-submit the class path is already set.
+        builder = (
+            builder.config("spark.driver.extraClassPath", str(jar))
+            .config("spark.executor.extraClassPath", str(jar))
+            .config("spark.hadoop.fs.file.impl", NIO_FILE_SYSTEM)
+        )
     return (
         builder.config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")

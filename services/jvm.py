@@ -24,6 +24,18 @@ bursts after a 100k warm-up, the services used 7.4-7.9 CPU-seconds with C1 only 
 The options go in ``spark.driver.defaultJavaOptions`` so that a user's
 ``spark.driver.extraJavaOptions`` (``PYSPARK_SUBMIT_ARGS``) is added to them, not replaced.
 
+The local file system without child processes (:data:`HADOOP_JAR`). Without Hadoop's native
+library, which the pyspark wheel does not ship, Hadoop's local file system sets the
+permissions of every file it creates by running ``chmod``: a streaming query's offset and
+commit logs are two files (and two checksum files) per micro-batch, so each micro-batch of each
+query forked four processes from the driver JVM (measured: 7.8 ms a file, against 0.4 ms with
+the permissions set through java.nio). ``services/java`` holds a subclass of Hadoop's local
+file system that sets them through java.nio (``io.shardsink.hadoop.NioLocalFileSystem``); the
+build compiles it into a jar with the JDK's ``javac`` against pyspark's Hadoop jars, and the
+services use it for ``file:`` paths when the jar exists (``spark.hadoop.fs.file.impl``, the jar
+on the driver's and executors' class path). It is built before the class-data archive, whose
+class path must match the driver's. ``SHARDSINK_HADOOP_NIO=off`` turns it off.
+
 The JVM's stderr (:func:`jvm_stderr_filtered`). Spark's launcher adds
 ``--add-modules=jdk.incubator.vector`` to every JVM it starts
 (``org.apache.spark.launcher.JavaModuleOptions``, unconditionally: the Vector API speeds up
@@ -50,6 +62,60 @@ from pathlib import Path
 
 #: Where the archive lives: beside the installation's Python (the venv or the image).
 ARCHIVE = Path(sys.prefix) / "share" / "shardsink" / "spark-classes.jsa"
+#: The compiled ``services/java`` classes (see the module docstring), beside the archive.
+HADOOP_JAR = ARCHIVE.with_name("shardsink-hadoop.jar")
+#: The class that serves ``file:`` paths when :data:`HADOOP_JAR` is used.
+NIO_FILE_SYSTEM = "io.shardsink.hadoop.NioLocalFileSystem"
+JAVA_SOURCES = Path(__file__).resolve().parent / "java"
+
+
+def hadoop_jar(env: Mapping[str, str] | None = None) -> Path | None:
+    """The jar of the services' Hadoop classes when it is built and not turned off."""
+    e = os.environ if env is None else env
+    if e.get("SHARDSINK_HADOOP_NIO", "on").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    return HADOOP_JAR if HADOOP_JAR.is_file() else None
+
+
+def _javac() -> str | None:
+    import shutil
+
+    home = os.environ.get("JAVA_HOME")
+    if home and Path(home, "bin", "javac").is_file():
+        return str(Path(home, "bin", "javac"))
+    found = shutil.which("javac")
+    if found:
+        return found
+    java = shutil.which("java")  # a JDK's javac sits beside its java
+    if java:
+        candidate = Path(java).resolve().parent / "javac"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def build_jar(path: Path = HADOOP_JAR, timeout_s: float = 300.0) -> Path:
+    """Compile ``services/java`` against pyspark's jars into the jar at ``path``."""
+    import zipfile
+
+    import pyspark
+
+    javac = _javac()
+    if javac is None:
+        raise RuntimeError("expected a JDK's javac (JAVA_HOME, PATH, or beside java), found none")
+    jars = sorted(str(p) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar"))
+    sources = sorted(str(p) for p in JAVA_SOURCES.rglob("*.java"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="shardsink-javac-") as out:
+        subprocess.run([javac, "-nowarn", "--release", "17", "-cp", os.pathsep.join(jars), "-d", out, *sources],
+                       check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+        tmp = path.with_suffix(".tmp")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\r\nCreated-By: shardsink\r\n\r\n")
+            for f in sorted(Path(out).rglob("*.class")):
+                z.write(f, f.relative_to(out).as_posix())
+    os.replace(tmp, path)
+    return path
 
 
 def driver_java_options(env: Mapping[str, str] | None = None) -> str:
@@ -156,11 +222,14 @@ def build_archive(path: Path = ARCHIVE, timeout_s: float = 300.0) -> Path:
     tmp = path.with_suffix(".tmp")
     tmp.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="shardsink-cds-") as ck:
+        # The driver's class path as the services start it: the Hadoop jar first, when used.
+        jar = hadoop_jar()
+        extra = f"--conf spark.driver.extraClassPath={jar} " if jar is not None else ""
         env = {
             **os.environ,
             "PYSPARK_PYTHON": sys.executable,
             "PYSPARK_DRIVER_PYTHON": sys.executable,
-            "PYSPARK_SUBMIT_ARGS": f"--conf spark.driver.extraJavaOptions=-XX:ArchiveClassesAtExit={tmp} pyspark-shell",
+            "PYSPARK_SUBMIT_ARGS": f"{extra}--conf spark.driver.extraJavaOptions=-XX:ArchiveClassesAtExit={tmp} pyspark-shell",
         }
         code = f"CHECKPOINT = {ck + '/q'!r}\n" + _WORKLOAD
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=timeout_s,
@@ -191,12 +260,20 @@ def _running_with(text: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m services.jvm", description="the driver JVM's class-data archive")
-    ap.add_argument("command", choices=["build", "path"], help="build: (re)build the archive; path: print where it is")
+    ap = argparse.ArgumentParser(prog="python -m services.jvm", description="the driver JVM's Hadoop jar and class-data archive")
+    ap.add_argument("command", choices=["build", "path"],
+                    help="build: (re)build the jar, then the archive; path: print where the archive is")
     args = ap.parse_args(argv)
     if args.command == "path":
         print(ARCHIVE)
         return 0
+    t0 = time.monotonic()
+    try:
+        jar = build_jar()
+        print(f"built {jar} in {time.monotonic() - t0:.1f}s")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        HADOOP_JAR.unlink(missing_ok=True)  # never an archive built with a jar that is gone
+        print(f"no Hadoop jar: Hadoop's local file system forks chmod per file ({e})", file=sys.stderr)
     t0 = time.monotonic()
     built = build_archive()
     print(f"built {built} ({built.stat().st_size >> 20} MiB) in {time.monotonic() - t0:.1f}s")

@@ -51,3 +51,33 @@ late.wait()
                 "child after"]
     assert "incubator" not in p.stderr and sorted(p.stderr.splitlines()) == sorted(expected), p.stderr
     assert p.stderr.splitlines()[0] == "parent before" and any("openjdk" in ln.lower() for ln in expected)
+
+
+def test_local_files_get_their_permissions_through_java_nio_in_the_services_session(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With the services' Hadoop jar built (``make`` builds it when a JDK is there), ``file:``
+    paths are served by ``NioLocalFileSystem``: a created file gets Hadoop's default
+    permissions minus the umask, and ``setPermission`` sets exactly the nine bits it is given,
+    with no ``chmod`` process (the class's only change to Hadoop's local file system)."""
+    import os
+    import stat
+
+    from services.jvm import HADOOP_JAR, NIO_FILE_SYSTEM, _javac, hadoop_jar
+
+    if _javac() is None:
+        pytest.skip("no JDK here: the services run with Hadoop's own local file system")
+    assert hadoop_jar() == HADOOP_JAR, "expected `make` to have built the services' Hadoop jar"
+    jvm = spark.sparkContext._jvm
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    path = jvm.org.apache.hadoop.fs.Path(f"file://{tmp_path}/offsets/0")
+    fs = path.getFileSystem(conf)
+    assert fs.getClass().getName() == NIO_FILE_SYSTEM
+    out = fs.create(path, True)
+    out.write(bytearray(b"v1\n{}"))
+    out.close()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "offsets" / "0").st_mode) == 0o666 & ~umask
+    assert (tmp_path / "offsets" / "0").read_bytes() == b"v1\n{}"
+    for mode in (0o751, 0o640, 0o007, 0o700):
+        fs.setPermission(path, jvm.org.apache.hadoop.fs.permission.FsPermission(mode))
+        assert stat.S_IMODE(os.stat(tmp_path / "offsets" / "0").st_mode) == mode
