@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -497,42 +497,52 @@ def collect_decoded(
     return table
 
 
-def read_planned_batch(
-    files: Any, batch_id: int, kafka: Any, skip_prefixes: Mapping[str, bytes] | None = None,
-    latest_progress_of: str | None = None,
-) -> pa.Table | None:
-    """The records of micro-batch ``batch_id`` of a query reading ``shardsink-kafka``, read on
-    the driver straight from Kafka by the offsets Spark logged for the batch and the one before
-    it (``files``: the query's :class:`services.driver_state.CheckpointFiles`), without running
-    a Spark job: for the control messages of mint and append, a job (planning, a task, a Python
-    worker round trip) costs 100-400 ms for a handful of records, a pooled consumer's read a few
-    milliseconds. The source reads exactly these ranges too, so the records are the same.
-    Columns ``topic, partition, offset, value``; ``skip_prefixes`` as the source's
-    ``skipValuePrefixes``. ``latest_progress_of``: a desired topic whose ranges are read only
-    back to their latest progress statement (:func:`read_latest_progress`, for mint). None
-    when the log does not hold both offsets (the first batch of a checkpoint starts at the
-    source's initial offsets, which Spark does not log): read the batch's DataFrame then."""
+def planned_ranges(files: Any, batch_id: int) -> list[tuple[str, int, int, int]] | None:
+    """``(topic, partition, start, end)`` of micro-batch ``batch_id`` of a query reading
+    ``shardsink-kafka``, from the offsets Spark logged for the batch and the one before it
+    (``files``: the query's :class:`services.driver_state.CheckpointFiles`). None when the log
+    does not hold both (the first batch of a checkpoint starts at the source's initial
+    offsets, which Spark does not log): read the batch's DataFrame then."""
     from services.driver_state import planned_offsets
-    from shared.io.spark_kafka import offsets_from_json, pending, read_range
+    from shared.io.spark_kafka import offsets_from_json, pending
 
     end = planned_offsets(files, batch_id)
     start = planned_offsets(files, batch_id - 1) if batch_id > 0 else None
     if end is None or start is None:
         return None
+    return pending(offsets_from_json(start), offsets_from_json(end))
+
+
+def read_ranges(
+    kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefixes: Mapping[str, bytes] | None = None
+) -> pa.Table:
+    """The records of ``ranges`` read on the driver (columns ``topic, partition, offset,
+    value``); ``skip_prefixes`` as the source's ``skipValuePrefixes``."""
+    from shared.io.spark_kafka import read_range
+
     skip = skip_prefixes or {}
     tables: list[pa.Table] = []
-    for t, p, lo, hi in pending(offsets_from_json(start), offsets_from_json(end)):
-        if t == latest_progress_of:
-            tables.append(read_latest_progress(kafka, t, p, lo, hi, skip.get(t)))
-            continue
+    for t, p, lo, hi in ranges:
         got = [b.select(["topic", "partition", "offset", "value"])
                for b in read_range(kafka, t, p, lo, hi, skip_prefix=skip.get(t))]
         if got:
             tables.append(pa.Table.from_batches(got))
-    tables = [x for x in tables if x.num_rows]
-    if not tables:
-        return _empty_raw()
-    return pa.concat_tables(tables)
+    return pa.concat_tables(tables) if tables else _empty_raw()
+
+
+def read_planned_batch(
+    files: Any, batch_id: int, kafka: Any, skip_prefixes: Mapping[str, bytes] | None = None
+) -> pa.Table | None:
+    """The records of micro-batch ``batch_id`` of a query reading ``shardsink-kafka``, read on
+    the driver straight from Kafka by the offsets Spark logged (:func:`planned_ranges`),
+    without running a Spark job: for the control messages of mint and append, a job
+    (planning, a task, a Python worker round trip) costs 100-400 ms for a handful of records,
+    a pooled consumer's read a few milliseconds. The source reads exactly these ranges too, so
+    the records are the same. Columns ``topic, partition, offset, value``; ``skip_prefixes``
+    as the source's ``skipValuePrefixes``. None when the log does not hold the batch's
+    offsets: read the batch's DataFrame then."""
+    ranges = planned_ranges(files, batch_id)
+    return None if ranges is None else read_ranges(kafka, ranges, skip_prefixes)
 
 
 #: The first window :func:`read_latest_progress` reads back from a range's end.
@@ -551,9 +561,10 @@ def read_latest_progress(
     service's (mint reads a few windows per partition per micro-batch, not the topic's
     updates). The windows' progress statements and other non-update records come back
     (columns as :func:`read_planned_batch`'s), in offset order; a range without any progress
-    is read whole. A producer that breaks the contract with a statement below an earlier one
-    in the same range can only make mint's frontier lag until the next statement: minting
-    less is always safe."""
+    is read whole, from its first offset still on the topic (retention may have deleted the
+    start of a range mint left unread for long). A producer that breaks the contract with a
+    statement below an earlier one in the same range can only make mint's frontier lag until
+    the next statement: minting less is always safe."""
     from shared.io.spark_kafka import read_range
 
     windows: list[pa.Table] = []
@@ -561,7 +572,8 @@ def read_latest_progress(
     while hi > start:
         lo = max(start, hi - size)
         got = [b.select(["topic", "partition", "offset", "value"])
-               for b in read_range(kafka, topic, partition, lo, hi, skip_prefix=skip_prefix)]
+               for b in read_range(kafka, topic, partition, lo, hi, skip_prefix=skip_prefix,
+                                   fail_on_data_loss=False)]
         if got:
             window = pa.Table.from_batches(got)
             windows.append(window)

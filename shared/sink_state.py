@@ -348,6 +348,11 @@ class MintState:
         restored.grow(self.desired.partitions)
         self.desired = restored
 
+    def persist_advanced(self) -> bool:
+        """Whether the persist frontier moved since the last description (or none was minted):
+        until it does, no description can be minted, whatever the desired frontier."""
+        return self.last_lower is None or self.last_lower.less_than(self.persist_frontier)
+
     def maybe_mint(self, now_ms: int = 0) -> BatchDescription | None:
         """Mint ``[persist frontier, desired frontier)`` when writes are allowed, the desired
         frontier is ahead of the persist frontier, and the persist frontier advanced since
@@ -355,8 +360,7 @@ class MintState:
         desired = self.desired.frontier()
         persist = self.persist_frontier
         desired_ahead = persist.less_than(desired)
-        persist_advanced = self.last_lower is None or self.last_lower.less_than(persist)
-        if self.read_only or not desired_ahead or not persist_advanced:
+        if self.read_only or not desired_ahead or not self.persist_advanced():
             return None
         assert persist.time is not None
         token = f"{self.sink_id}:{self.epoch}:{persist.time}"

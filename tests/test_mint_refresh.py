@@ -76,3 +76,58 @@ def test_the_shard_is_read_on_an_announced_upper_and_at_least_every_second(monke
     m.process(records())  # a second passed: read again, in case an announcement was lost
     assert shard.reads == 3
     assert m.shard_refreshes == 3 and m.micro_batches == 5
+
+
+def test_desired_ranges_are_read_only_when_a_description_can_be_minted(monkeypatch: Any) -> None:
+    """While a description is in flight (the shard's upper has not moved since it was minted),
+    the micro-batches' desired ranges are kept unread, merged per partition; the micro-batch
+    that learns the upper moved reads them (once, tail first) and mints from the latest
+    progress they hold. A read-only minter reads at every micro-batch."""
+    from shared.catalog import SinkDef as Def
+
+    clock = [100.0]
+    monkeypatch.setattr(mint.time, "monotonic", lambda: clock[0])
+    settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs")
+    shard = CountingShard(upper=0)
+    state = MintState("s", epoch=1, partition_count=2, as_of=0, read_only=False, nonce="n")
+    producer = Producer()
+    m = mint.SinkMinter(Def("s", "desired", "c"), settings, shard, state, producer)  # type: ignore[arg-type]
+    reads: list[dict[int, tuple[int, int]]] = []
+    progress = {0: 0, 1: 0}  # what the unread ranges say, per partition
+
+    def read_unread(unread: dict[int, tuple[int, int]]) -> pa.Table:
+        reads.append(dict(unread))
+        t = records(*[(KIND_PROGRESS, "desired", progress[p]) for p in sorted(unread)])
+        return t.set_column(t.schema.get_field_index("partition"), "partition",
+                            pa.array(sorted(unread), pa.int32()))
+
+    def batch(ranges: dict[int, tuple[int, int]], *rows: tuple[str, str, int | None]) -> None:
+        for p, (a, b) in ranges.items():
+            m.note_unread(p, a, b)
+        m.process(records(*rows), read_unread)
+
+    progress.update({0: 5, 1: 7})
+    batch({0: (0, 10), 1: (0, 12)})  # nothing minted yet: read, and [0, 5) minted
+    assert reads == [{0: (0, 10), 1: (0, 12)}] and len(producer.sent) == 1 and not m.unread
+    progress.update({0: 9, 1: 8})
+    batch({0: (10, 20), 1: (12, 15)})  # [0, 5) in flight: kept unread
+    batch({0: (20, 31)})
+    assert len(reads) == 1 and m.unread == {0: (10, 31), 1: (12, 15)} and len(producer.sent) == 1
+    shard.upper = 5
+    progress.update({0: 11, 1: 10})
+    batch({1: (15, 16)}, (KIND_CONTROL, "frontiers", None))  # the upper moved: read, mint [5, 10)
+    assert reads[1] == {0: (10, 31), 1: (12, 16)} and not m.unread
+    assert len(producer.sent) == 2 and m.state.desired.frontier() == Frontier.at(10)
+    # Read-only: the desired frontier is followed at every micro-batch (the metrics show it).
+    ro_sink = Def("r", "desired", "c", read_only=True)
+    catalog = SimpleNamespace(state=lambda fresh=True: SimpleNamespace(sinks={"r": ro_sink}))
+    ro_settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs", catalog=lambda: catalog)
+    ro = mint.SinkMinter(ro_sink, ro_settings, CountingShard(upper=0),
+                         MintState("r", epoch=1, partition_count=2, as_of=0, read_only=True, nonce="n"),
+                         Producer())  # type: ignore[arg-type]
+    ro.state.last_lower = Frontier.at(0)  # as if a description were in flight
+    m = ro
+    before = len(reads)
+    batch({0: (0, 3)})
+    batch({0: (3, 4)})
+    assert len(reads) == before + 2 and not ro.unread

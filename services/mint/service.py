@@ -22,7 +22,14 @@ Contract (the seeds' mint operator):
   latest progress statement (:func:`services.sinkio.read_latest_progress`: a partition's
   progress only moves forward, so the last statement is the one that counts), dropping
   updates by their framing prefix; the few records left (progress statements, upper
-  advances) are decoded there. The desired updates are the write service's to read.
+  advances) are decoded there. The desired updates are the write service's to read. And it
+  reads them only when the desired frontier can matter: while a description is in flight (the
+  shard's upper has not moved since the last one), no description can be minted whatever the
+  desired frontier, so the desired ranges of those micro-batches are kept as unread
+  (``unread``: per partition, from the first offset not read to the last planned) and read,
+  tail first, at the micro-batch that learns the upper moved. A read-only minter reads at
+  every micro-batch (its desired frontier is what the metrics show). The unread ranges are
+  saved with the driver state, so a restarted minter reads them.
 
 One active minter per sink: run one mint service (or one all-in-one application).
 """
@@ -32,7 +39,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -45,7 +53,9 @@ from services.sinkio import (
     ControlProducer,
     collect_decoded,
     decode_on_driver,
-    read_planned_batch,
+    planned_ranges,
+    read_latest_progress,
+    read_ranges,
     u64,
 )
 from shared.catalog import SinkDef
@@ -71,6 +81,30 @@ class SinkMinter:
     shard_refreshes: int = 0
     #: When the shard's state was last read (monotonic seconds; None: never).
     refreshed_at: float | None = None
+    #: Desired ranges planned and not read yet, per partition: ``[start, end)`` (see the
+    #: module docstring).
+    unread: dict[int, tuple[int, int]] = field(default_factory=dict)
+    desired_reads: int = 0
+
+    def note_unread(self, partition: int, start: int, end: int) -> None:
+        """A micro-batch planned ``[start, end)`` of a desired partition."""
+        old = self.unread.get(partition)
+        self.unread[partition] = (start if old is None else min(old[0], start), end if old is None else max(old[1], end))
+
+    def wants_desired(self) -> bool:
+        """Whether the desired frontier can matter now: read-only (the metrics follow it), or a
+        description can be minted (the persist frontier moved since the last one)."""
+        return self.state.read_only or self.state.persist_advanced()
+
+    def absorb_progress(self, table: pa.Table) -> None:
+        kinds = table["kind"].to_pylist()
+        parts = table["partition"].to_pylist()
+        frs = table["frontier"].to_pylist()
+        closed = table["frontier_closed"].to_pylist()
+        topics = table["topic"].to_pylist()
+        for i, kind in enumerate(kinds):
+            if kind == KIND_PROGRESS and topics[i] == self.sink.desired_topic:
+                self.state.absorb_desired_progress(parts[i], None if closed[i] else u64(frs[i]))
 
     @staticmethod
     def create(sink: SinkDef, settings: ServiceSettings, partitions: int) -> SinkMinter:
@@ -85,15 +119,13 @@ class SinkMinter:
         )
         return SinkMinter(sink, settings, shard, state, ControlProducer.create(settings.kafka, f"mint-{sink.sink_id}"))
 
-    def process(self, table: pa.Table) -> None:
+    def process(self, table: pa.Table, read_unread: Callable[[dict[int, tuple[int, int]]], pa.Table] | None = None) -> None:
+        """One micro-batch: ``table`` holds its decoded records (all of them, or without the
+        desired ranges noted unread, which ``read_unread`` reads and decodes when they can
+        matter)."""
         kinds = table["kind"].to_pylist()
-        parts = table["partition"].to_pylist()
-        frs = table["frontier"].to_pylist()
-        closed = table["frontier_closed"].to_pylist()
         topics = table["topic"].to_pylist()
-        for i, kind in enumerate(kinds):
-            if kind == KIND_PROGRESS and topics[i] == self.sink.desired_topic:
-                self.state.absorb_desired_progress(parts[i], None if closed[i] else u64(frs[i]))
+        self.absorb_progress(table)
         if self.state.read_only:
             sink = self.settings.catalog().state(fresh=False).sinks.get(self.sink.sink_id)
             if sink is not None and not sink.read_only:
@@ -110,6 +142,10 @@ class SinkMinter:
             self.state.absorb_shard_upper(self.shard.refresh().upper)
             self.refreshed_at = now
             self.shard_refreshes += 1
+        if self.unread and read_unread is not None and self.wants_desired():
+            self.absorb_progress(read_unread(self.unread))
+            self.unread = {}
+            self.desired_reads += 1
         desc = self.state.maybe_mint(int(time.time() * 1000))
         if desc is not None:
             self.producer.send(
@@ -139,6 +175,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         saved = None
     if saved is not None:
         minter.state.restore(saved)
+        minter.unread = {int(p): (int(a), int(b)) for p, (a, b) in saved.get("unread", {}).items()}
     if registry is not None:
         registry[sink.sink_id] = minter
     from shared.codec import MARKER, message_codec
@@ -158,16 +195,24 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     # Ours: the few records are read on the driver by the batch's logged offsets. The builtin
     # connector cannot drop updates in the reader: decode on the executors then.
     ours = _connector(None) != "builtin"
-    skip = {desired_topic: update_prefix}
+
+    def read_unread(unread: dict[int, tuple[int, int]]) -> pa.Table:
+        raw = pa.concat_tables([read_latest_progress(settings.kafka, desired_topic, p, a, b, update_prefix)
+                                for p, (a, b) in sorted(unread.items())])
+        return decode_on_driver(raw, desired_topic, progress_only=True)
 
     def each(batch_df: Any, batch_id: int) -> None:
-        raw = read_planned_batch(states.files, batch_id, settings.kafka, skip, latest_progress_of=desired_topic) if ours else None
-        if raw is not None:
-            table = decode_on_driver(raw, desired_topic, progress_only=True)
+        planned = planned_ranges(states.files, batch_id) if ours else None
+        if planned is not None:
+            for t, p, lo, hi in planned:
+                if t == desired_topic:
+                    minter.note_unread(p, lo, hi)
+            raw = read_ranges(settings.kafka, [r for r in planned if r[0] != desired_topic])
+            minter.process(decode_on_driver(raw, desired_topic, progress_only=True), read_unread)
         else:
-            table = collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=ours)
-        minter.process(table)
-        states.save(batch_id, minter.state.checkpoint())
+            minter.process(collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=ours))
+        states.save(batch_id, {**minter.state.checkpoint(),
+                               "unread": {str(p): list(r) for p, r in minter.unread.items()}})
 
     name = f"mint-{sink.sink_id}-{sink.epoch}"  # the query's name: its supervisor marks it while stopping it
     return (
