@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from upper_watch import UpperWatch  # noqa: E402
+from upper_watch import AnnouncedUpperWatch  # noqa: E402
 
 SCHEMA = {
     "type": "record",
@@ -90,7 +90,7 @@ class Feed:
         self.frontier = 0
         self.shard = Shard.open(settings.store(), name)
         settings.catalog().create_sink(SinkDef(name, self.topic, name))
-        self.watch = UpperWatch(self.shard)
+        self.watch = AnnouncedUpperWatch(self.shard, settings.kafka, settings.frontiers_topic)
 
     def make(self, n: int, retract: float = 0.15) -> list[tuple[bytes, int]]:
         enc = self.producer.rows.encode

@@ -29,7 +29,9 @@ Contract (the seeds' mint operator):
   (``unread``: per partition, from the first offset not read to the last planned) and read,
   tail first, at the micro-batch that learns the upper moved. A read-only minter reads at
   every micro-batch (its desired frontier is what the metrics show). The unread ranges are
-  saved with the driver state, so a restarted minter reads them.
+  saved with the driver state, so a restarted minter reads them. The query's source
+  (:mod:`services.mint.source`) also holds the desired records back meanwhile, so they do not
+  trigger micro-batches that could decide nothing.
 
 One active minter per sink: run one mint service (or one all-in-one application).
 """
@@ -184,12 +186,18 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     # on the executors: mint needs only progress statements (decode_partition drops them
     # too, for the builtin connector and older schema versions).
     update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
+    from services.mint.source import hold_path, mint_source, write_hold
+
+    hold_file = hold_path(checkpoint)
+    write_hold(hold_file, False)  # a new minter can mint: nothing is held at its start
+    holding = [False]
     df = kafka_read_stream(
         spark,
         settings.kafka,
         [sink.desired_topic, settings.frontiers_topic],
         starting_offsets="earliest",
         skip_value_prefixes={sink.desired_topic: update_prefix},
+        source=mint_source(sink.desired_topic, settings.frontiers_topic, hold_file),
     )
     desired_topic = sink.desired_topic
     # Ours: the few records are read on the driver by the batch's logged offsets. The builtin
@@ -213,6 +221,10 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
             minter.process(collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=ours))
         states.save(batch_id, {**minter.state.checkpoint(),
                                "unread": {str(p): list(r) for p, r in minter.unread.items()}})
+        hold = not minter.wants_desired()  # a description in flight: the source holds desired back
+        if hold != holding[0]:
+            write_hold(hold_file, hold)
+            holding[0] = hold
 
     name = f"mint-{sink.sink_id}-{sink.epoch}"  # the query's name: its supervisor marks it while stopping it
     return (
