@@ -319,3 +319,20 @@ except BaseException as e:
     for exc, as_runner in (("RuntimeError('boom')", True), ("EOFError", False)):
         loud = runner(exc, as_runner)
         assert loud.returncode == 3 and loud.stderr.strip().startswith("reported"), (exc, as_runner, loud.stderr)
+
+
+def test_read_range_values_only_keeps_values_and_offsets_and_nulls_the_rest(stack: EmbeddedStack, unique_id: str) -> None:
+    """The write source's lean read: the same values and offsets as a full read, with the
+    keys, timestamps and headers (which the desired decode never reads) null."""
+    import shared.io.spark_kafka as sk
+
+    topic = f"src-lean-{unique_id}"
+    create_topic(stack.bootstrap_servers, topic, 1)
+    produce(stack.bootstrap_servers, topic, [(0, b"v%03d" % i) for i in range(50)], rounds=2)
+    settings = KafkaSettings.of(stack.bootstrap_servers)
+    full = [r for b in read_range(settings, topic, 0, 5, 45) for r in b.to_pylist()]
+    lean = [r for b in read_range(settings, topic, 0, 5, 45, values_only=True) for r in b.to_pylist()]
+    assert [(r["offset"], r["value"]) for r in lean] == [(r["offset"], r["value"]) for r in full]
+    assert all(r["key"] is not None and r["headers"] and r["timestamp"] is not None for r in full)
+    assert all(r["key"] is None and r["headers"] is None and r["timestamp"] is None for r in lean)
+    sk.close_pooled_consumers()

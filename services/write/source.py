@@ -72,6 +72,10 @@ def writer_partitions(
 
 
 class DesiredStreamReader(KafkaStreamReader):
+    #: The decode needs values and offsets only (the history-gap marker is the source's own
+    #: record, not a header of the topic's).
+    values_only = True
+
     def __init__(self, options: SourceOptions, decode: dict[str, Any], step: Any = None) -> None:
         super().__init__(options)
         self.decode = decode
