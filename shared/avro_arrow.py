@@ -520,7 +520,7 @@ def row_normaliser(schema: AvroSchema) -> Callable[[Mapping[str, Any]], dict[str
     conv = _compiled(_schema_key(schema))[4]
     if conv is None:
         return dict
-    return conv  # type: ignore[return-value]
+    return conv
 
 
 def _check_non_nullable(array: pa.Array, field: pa.Field, where: str) -> None:

@@ -331,7 +331,7 @@ class SparkStandalone:
 
     def alive_workers(self) -> int:
         try:
-            return int(self.status().get("aliveworkers", 0))  # type: ignore[call-overload]
+            return int(str(self.status().get("aliveworkers", 0)))
         except OSError:
             return 0
 

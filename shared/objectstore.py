@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from shared.errors import (
     IndeterminateError,
@@ -251,7 +251,7 @@ class RetryingObjectStore:
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
         items = self._call(lambda: list(self.inner.list(prefix, start_after)), self._ANY)
-        return iter(items)  # type: ignore[call-overload]
+        return iter(cast("list[ObjectInfo]", items))
 
     def __getattr__(self, name: str) -> object:
         # Anything else (e.g. the S3 adapter's boto3 client) is the wrapped store's.

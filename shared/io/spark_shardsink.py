@@ -90,7 +90,7 @@ class ReadOptions:
         s3 = S3Settings.from_env()
         over = {"endpoint": "endpoint", "bucket": "bucket", "prefix": "prefix", "region": "region",
                 "accesskey": "access_key", "secretkey": "secret_key"}
-        s3 = replace(s3, **{field: low[k] for k, field in over.items() if k in low})
+        s3 = replace(s3, **{field: low[k] for k, field in over.items() if k in low})  # type: ignore[arg-type]
         return ReadOptions(
             collection_id=cid,
             s3=s3,
@@ -190,7 +190,8 @@ def _contribution(col: pa.ChunkedArray) -> np.ndarray:
             return np.zeros(len(arr), dtype=np.uint64)
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
         return np.zeros(len(arr), dtype=np.uint64)
-    return pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).view(np.uint64)
+    out: np.ndarray = pc.fill_null(arr, 0).to_numpy(zero_copy_only=False).view(np.uint64)
+    return out
 
 
 #: Per-position multipliers of the byte hash (odd, fixed: every process hashes alike).
