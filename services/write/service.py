@@ -4,10 +4,10 @@ stages the difference for each batch description. It never appends.
 Contract (the seeds' write operator, with Kafka making order and completeness explicit):
 
 - inputs: the sink's desired topic (updates and progress, partitioned by row hash) and
-  ``descs`` (batch descriptions). The shard is read back at every micro-batch, before any
-  description is decided, so ``frontiers`` is not read: an upper advance alone would cost a
-  micro-batch that decides nothing (the next description, minted only after mint saw that
-  upper, triggers the read-back it needs);
+  ``descs`` (batch descriptions). The shard is read back at every micro-batch that holds or
+  receives a description, before it is decided, so ``frontiers`` is not read: an upper
+  advance alone would cost a micro-batch that decides nothing (the next description, minted
+  only after mint saw that upper, triggers the read-back it needs);
 - state: one :class:`shared.sink_state.WriteState` per writer partition (= desired topic
   partition), kept **on the executors** and checkpointed with the source offsets: the task
   that processes a partition in micro-batch N loads the partition's newest state version
@@ -95,7 +95,9 @@ Micro-batch order inside a writer partition's task (all on the executor):
    shard's snapshot, or adopt it); re-key it if the row schema changed since it was saved;
 2. resolve the desired rows to the current row schema; absorb history gaps, desired updates
    and progress in offset order;
-3. read the shard's head; absorb (negated) everything appended since the persist frontier;
+3. when a description is held or arrives: read the shard's head; absorb (negated) everything
+   appended since the persist frontier (a micro-batch without one defers this to the next
+   that has one: nothing is decided before it);
 4. absorb descriptions; decide; stage data objects (S3); write this batch's state version;
    emit reports.
 
@@ -887,7 +889,11 @@ def _write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -
             if d.sink_id == job.sink.sink_id:
                 descs.append(d)
     t3 = clock()
-    ctx.read_back(ws)
+    if descs or ws.description is not None:
+        # Only a description is decided against the shard's contents: a micro-batch that holds
+        # none (most of them, while a description is in flight) leaves the read-back to the
+        # one that does, which absorbs every batch appended since, in order.
+        ctx.read_back(ws)
     t4 = clock()
     for d in descs:
         ws.absorb_description(d)
