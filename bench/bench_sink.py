@@ -29,6 +29,9 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   at ~1k updates/s, a rate far below the sink's throughput: the latency floor of the hops.
 - ``correction_peak_ratio``: peak bytes of the correction buffer during hydration over the
   collection's Arrow size (``bench/bench_correction.py``'s ``measure_hydration_ratio``).
+- ``baseline_cpu_s`` / ``sink_cpu_s``: CPU seconds of the baseline's and of the services'
+  process trees during their timed runs (the producer shares the same two cores: the more
+  CPU a pipeline takes, the slower the updates arrive).
 - ``driver_cpu_share``: during the throughput run, CPU seconds of the services' driver Python
   process (where ``foreachBatch`` runs: reports, descriptions, appends) over the CPU seconds of
   the whole services process tree (the JVM, the Python workers that decode, absorb, read back
@@ -460,10 +463,13 @@ def main() -> int:
             wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline's warm-up batch", [base])
             batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
             loads["baseline"] = load()
+            assert base.p is not None
+            bcpu0 = tree_cpu(base.p.pid)
             t0, prod_s, _ = produce_timed(wl, batches)
             records = producer.sent_updates + producer.sent_progress
             wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline to write every record", [base], poll_s=0.01)
             base_s = time.monotonic() - t0
+            out["baseline_cpu_s"] = cpu_shares(bcpu0, tree_cpu(base.p.pid))["cpu_s"]
             out["baseline_updates_per_s"] = round(n_updates / base_s)
             out["baseline_seconds"] = round(base_s, 2)
             out["produce_updates_per_s"] = round(n_updates / prod_s)
