@@ -147,7 +147,8 @@ class EmbeddedStack:
 
     def _start_s3(self, logs: Path, timeout_s: float) -> None:
         proc = self._spawn(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.s3_port)],
+            # moto's S3 backend alone (shared/io/moto_server.py: no per-request service dispatch)
+            [sys.executable, "-m", "shared.io.moto_server", "127.0.0.1", str(self.s3_port)],
             logs / "moto.log",
         )
         _wait_tcp(self.s3_port, proc, "the moto S3 server", timeout_s)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,30 @@ def submit_confs(env: dict[str, Any]) -> dict[str, str]:
     assert args[-1] == "pyspark-shell", f"expected PYSPARK_SUBMIT_ARGS to end with pyspark-shell, found {args}"
     assert len(args[:-1]) % 2 == 0 and all(a == "--conf" for a in args[:-1:2]), args
     return dict(a.split("=", 1) for a in args[1:-1:2])
+
+
+def size_gib(text: str) -> float:
+    """A Spark or worker memory size (``512m``, ``3g``) in GiB."""
+    units = {"k": 1 / 1024**2, "m": 1 / 1024, "g": 1.0, "t": 1024.0}
+    assert text[-1].lower() in units and text[:-1].isdigit(), f"expected a size like 1g or 512m, found {text!r}"
+    return int(text[:-1]) * units[text[-1].lower()]
+
+
+def dynamic_executors(confs: dict[str, str]) -> int:
+    """The most executors of a driver with dynamic allocation (the controller's jobs), after
+    checking that it can run without an external shuffle service, holds nothing while idle and
+    sizes its jobs by its most executors, not by how many happen to be up."""
+    assert confs["spark.dynamicAllocation.enabled"] == "true"
+    assert confs["spark.dynamicAllocation.shuffleTracking.enabled"] == "true"  # no shuffle service
+    assert confs.get("spark.shuffle.service.enabled", "false") == "false"
+    assert int(confs["spark.dynamicAllocation.minExecutors"]) == 0
+    most = int(confs["spark.dynamicAllocation.maxExecutors"])
+    assert most >= 1
+    # Executors holding shuffle files of finished jobs are let go too (the default is never).
+    assert confs["spark.dynamicAllocation.shuffleTracking.timeout"].endswith(("s", "min"))
+    assert confs["spark.dynamicAllocation.executorIdleTimeout"].endswith(("s", "min"))
+    assert int(confs["spark.default.parallelism"]) == most * int(confs["spark.executor.cores"])
+    return most
 
 
 def module_of(command: list[str]) -> str:
@@ -174,15 +199,30 @@ def test_compose_services_run_existing_commands_with_known_settings() -> None:
     assert str(spark[worker_name]["image"]).split(":")[0] == PROJECT_IMAGE
     assert f"{master[master.index('--webui-port') + 1]}:" in " ".join(spark[master_name]["ports"])
     assert spark[worker_name]["deploy"]["replicas"] >= 2
-    worker_cores = int(worker[worker.index("--cores") + 1]) * spark[worker_name]["deploy"]["replicas"]
-    wanted = 0
+    replicas = spark[worker_name]["deploy"]["replicas"]
+    worker_cores = int(worker[worker.index("--cores") + 1]) * replicas
+    worker_gib = size_gib(worker[worker.index("--memory") + 1]) * replicas
+    wanted, wanted_gib = 0, 0.0
     for name in SINK_SERVICES:
         env = services[name]["environment"]
         assert env["SHARDSINK_SPARK_MASTER"] == master_url
         confs = submit_confs(env)
         assert confs["spark.driver.host"] == name  # executors call the driver back by its name
         wanted += int(confs["spark.cores.max"])
-    assert wanted <= worker_cores, f"the sink's applications want {wanted} cores, the workers have {worker_cores}"
+        wanted_gib += int(confs["spark.cores.max"]) // int(confs["spark.executor.cores"]) * size_gib(confs["spark.executor.memory"])
+    # The controller is the driver of its data-heavy jobs on the same master, with executors
+    # only while a job runs; the workers keep room for them beside the sink's.
+    env = services["controller"]["environment"]
+    assert env["SHARDSINK_CONTROLLER_SPARK_MASTER"] == master_url
+    confs = submit_confs(env)
+    assert confs["spark.driver.host"] == "controller"
+    most = dynamic_executors(confs)
+    assert int(confs["spark.cores.max"]) == most * int(confs["spark.executor.cores"])
+    wanted += int(confs["spark.cores.max"])
+    wanted_gib += most * size_gib(confs["spark.executor.memory"])
+    assert wanted <= worker_cores, f"the applications want {wanted} cores, the workers have {worker_cores}"
+    assert wanted_gib <= worker_gib, f"the applications' executors want {wanted_gib} GiB, the workers have {worker_gib}"
+    assert "spark-master" in services["controller"]["depends_on"]
     # Executors write the write service's state into its checkpoint: same volume, same path.
     write_env = services["write"]["environment"]
     write_vol = next(v for v in services["write"]["volumes"] if v.endswith(":" + write_env["SHARDSINK_CHECKPOINT_DIR"]))
@@ -216,8 +256,9 @@ def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
         available = set(env) | set(config["data"])
         assert all(k in available for k in REQUIRED_ENV), f"{name} lacks {REQUIRED_ENV}"
         port = int(env["SHARDSINK_METRICS_PORT"])
-        # The metrics port, and in the cluster overlay a driver's two callback ports.
-        driver_ports = [] if overlay == "local" or name == "shardsink-controller" else [7078, 7079]
+        # The metrics port, and in the cluster overlay a driver's two callback ports (the
+        # controller is the driver of its Spark jobs there).
+        driver_ports = [] if overlay == "local" else [7078, 7079]
         assert [p["containerPort"] for p in c["ports"]] == [port, *driver_ports]
         assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == port
         assert c["readinessProbe"]["httpGet"]["port"] == port
@@ -231,6 +272,10 @@ def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
     if overlay == "local":
         assert config["data"]["SHARDSINK_SPARK_MASTER"].startswith("local[")
         assert not any(d["kind"] in ("Role", "ServiceAccount") for d in docs)
+        # The controller does everything in its pod.
+        (ctl,) = deployments["shardsink-controller"]["spec"]["template"]["spec"]["containers"]
+        assert not {e["name"]: e.get("value") for e in ctl["env"]}.get("SHARDSINK_CONTROLLER_SPARK_MASTER")
+        assert "SHARDSINK_CONTROLLER_SPARK_MASTER" not in config["data"]
         return
     # -- cluster: Spark on Kubernetes in client mode ------------------------------------------
     assert config["data"]["SHARDSINK_SPARK_MASTER"] == "k8s://https://kubernetes.default.svc"
@@ -248,20 +293,33 @@ def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
     templates = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
-    for svc_name in SINK_SERVICES:
+    executor_pods: dict[str, dict[str, Any]] = {}
+    for svc_name in (*SINK_SERVICES, "controller"):
         dep = deployments[f"shardsink-{svc_name}"]
         spec = dep["spec"]["template"]["spec"]
         assert spec["serviceAccountName"] == sa["metadata"]["name"]
         (c,) = spec["containers"]
         names = [e["name"] for e in c["env"]]
-        confs = submit_confs({"PYSPARK_SUBMIT_ARGS": next(e["value"] for e in c["env"] if e["name"] == "PYSPARK_SUBMIT_ARGS")})
+        env_values = {e["name"]: e.get("value") for e in c["env"]}
+        confs = submit_confs({"PYSPARK_SUBMIT_ARGS": env_values["PYSPARK_SUBMIT_ARGS"]})
         # $(VAR) expands only variables defined earlier in the list.
         for var in ("POD_NAME", "POD_NAMESPACE"):
             assert names.index(var) < names.index("PYSPARK_SUBMIT_ARGS")
         assert confs["spark.kubernetes.container.image"] == c["image"]
         assert confs["spark.kubernetes.namespace"] == "$(POD_NAMESPACE)"
         assert confs["spark.kubernetes.driver.pod.name"] == "$(POD_NAME)"  # executors die with the driver pod
-        assert int(confs["spark.executor.instances"]) >= 1
+        # The Role grants nothing on claims or services: the drivers do not touch them (the
+        # claims' reuse and cleanup, and deleting the driver Service at stop, are what Spark
+        # would otherwise still try).
+        assert confs["spark.kubernetes.driver.ownPersistentVolumeClaim"] == "false"
+        assert confs["spark.kubernetes.driver.service.deleteOnTermination"] == "false"
+        if svc_name == "controller":
+            # The controller's data-heavy jobs: executors only while a job runs.
+            assert env_values["SHARDSINK_CONTROLLER_SPARK_MASTER"] == "k8s://https://kubernetes.default.svc"
+            assert dynamic_executors(confs) >= 1
+            assert "spark.executor.instances" not in confs
+        else:
+            assert int(confs["spark.executor.instances"]) >= 1
         host = confs["spark.driver.host"]
         assert host.endswith(".$(POD_NAMESPACE).svc")
         headless = services[host.split(".")[0]]
@@ -276,18 +334,52 @@ def test_kubernetes_manifests_match_the_services(overlay: str) -> None:
         vol = next(v for v in spec["volumes"] if v["name"] == mount["name"])
         tpl = yaml.safe_load(templates[vol["configMap"]["name"]]["data"][tpl_path.name])
         assert tpl["kind"] == "Pod"
-    # Executors write the write service's state: they mount its claim at the drivers' path,
-    # and the claim is ReadWriteMany.
-    (ex,) = tpl["spec"]["containers"]
-    ex_mounts = {m["name"]: m["mountPath"] for m in ex["volumeMounts"]}
-    ex_vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
-    claim = next(v["persistentVolumeClaim"]["claimName"] for v in ex_vols.values() if "persistentVolumeClaim" in v)
-    assert ex_mounts[next(n for n, v in ex_vols.items() if "persistentVolumeClaim" in v)] == config["data"]["SHARDSINK_CHECKPOINT_DIR"]
-    write_vols = deployments["shardsink-write"]["spec"]["template"]["spec"]["volumes"]
-    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == claim for v in write_vols)
-    assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
-    assert ex_vols["s3-credentials"]["secret"]["secretName"] == secret["metadata"]["name"]
-    assert all(is_known_env(e["name"]) for e in ex["env"])
+        executor_pods[svc_name] = tpl
+    assert len(services) == len(SINK_SERVICES) + 1  # one headless Service per driver
+    for svc_name, tpl in executor_pods.items():
+        (ex,) = tpl["spec"]["containers"]
+        assert ex["image"] in image_names
+        ex_mounts = {m["name"]: m["mountPath"] for m in ex["volumeMounts"]}
+        ex_vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
+        assert ex_vols["s3-credentials"]["secret"]["secretName"] == secret["metadata"]["name"]
+        assert all(is_known_env(e["name"]) for e in ex["env"])
+        claimed = [n for n, v in ex_vols.items() if "persistentVolumeClaim" in v]
+        if svc_name == "controller":
+            assert claimed == []  # its executors read and write data objects on S3 only
+            continue
+        # The sink's executors write the write service's state: they mount its claim at the
+        # drivers' path, and the claim is ReadWriteMany.
+        (name,) = claimed
+        claim = ex_vols[name]["persistentVolumeClaim"]["claimName"]
+        assert ex_mounts[name] == config["data"]["SHARDSINK_CHECKPOINT_DIR"]
+        write_vols = deployments["shardsink-write"]["spec"]["template"]["spec"]["volumes"]
+        assert any(v.get("persistentVolumeClaim", {}).get("claimName") == claim for v in write_vols)
+        assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+#: Variables Spark sets for the processes it starts (never a deployment's setting).
+SET_BY_SPARK = {"PYSPARK_GATEWAY_PORT"}
+
+
+def test_every_variable_the_controller_reads_is_known() -> None:
+    """The deployment checks above know every setting the controller reads: each variable
+    named in the project modules a controller process loads (its command loop, its Spark jobs,
+    the services' common code, the shard and I/O layers) is in ``services.common.ENV_VARS``."""
+    probe = (
+        "import sys, services.controller.__main__, services.controller.spark_jobs, services.metrics, services.jvm;"
+        "print('\\n'.join(sorted(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = [Path(f).resolve() for f in out.split()]
+    files = [f for f in files if f.is_relative_to(ROOT) and f.relative_to(ROOT).parts[0] in ("services", "shared", "shardsink")]
+    assert ROOT / "services" / "controller" / "__main__.py" in files and ROOT / "services" / "jvm.py" in files
+    names: dict[str, str] = {}
+    for f in files:
+        for name in re.findall(r"[\"'`]((?:SHARDSINK|PYSPARK|AWS|POD)_[A-Z0-9_]*[A-Z0-9])[\"'`]", f.read_text()):
+            names.setdefault(name, str(f.relative_to(ROOT)))
+    assert "SHARDSINK_CONTROLLER_SPARK_MASTER" in names and "SHARDSINK_GC_INTERVAL_MS" in names
+    unknown = {n: f for n, f in names.items() if not is_known_env(n) and n not in SET_BY_SPARK}
+    assert unknown == {}, f"variables read by the controller and missing from services.common.ENV_VARS: {unknown}"
 
 
 def test_dockerfile_copies_what_the_services_import_and_sets_known_settings() -> None:
@@ -372,6 +464,11 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
             if name in SINK_SERVICES:
                 env["SHARDSINK_SPARK_MASTER"] = master_url
                 env["PYSPARK_SUBMIT_ARGS"] = env["PYSPARK_SUBMIT_ARGS"].replace(f"spark.driver.host={name}", "spark.driver.host=127.0.0.1")
+            else:
+                # The controller's Spark driver (its jobs on the cluster) is run by
+                # test_compose_controller_runs_its_jobs_on_a_standalone_cluster: here its work is
+                # small and stays in its process.
+                env["SHARDSINK_CONTROLLER_SPARK_MASTER"] = ""
             ports[name] = free_port()
             env["SHARDSINK_METRICS_PORT"] = str(ports[name])
             env["SHARDSINK_CATALOG_POLL_MS"] = "300"
@@ -435,6 +532,119 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def test_compose_controller_runs_its_jobs_on_a_standalone_cluster(
+    stack: EmbeddedStack, standalone_cluster: SparkStandalone, tmp_path: Path, unique_id: str
+) -> None:
+    """compose's controller, with its very command and Spark settings (master and driver
+    address substituted), is the driver of its jobs on a standalone master and workers started
+    from the wheel: with the threshold at 0 bytes its peek and its merge below a moved since
+    run there (executors started for them by dynamic allocation), and give the model's rows."""
+    from services.controller.client import ControllerClient, body_kind
+    from shared.io.kafka_admin import ensure_topic
+    from shared.shard import DIFF, ERROR, Shard
+
+    svc = project_services(compose())["controller"]
+    deployed = {k: str(v) for k, v in svc["environment"].items()}
+    assert deployed["SHARDSINK_CONTROLLER_SPARK_MASTER"].startswith("spark://")
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, **deployed}
+    env.pop("SHARDSINK_CONTROLLER_SPARK_MIN_BYTES", None)
+    # The addresses and host paths of this machine; the rest as deployed.
+    env.update({
+        "SHARDSINK_KAFKA_BOOTSTRAP": stack.bootstrap_servers,
+        "SHARDSINK_S3_ENDPOINT": stack.s3_endpoint,
+        "SHARDSINK_CHECKPOINT_DIR": str(tmp_path / "controller"),
+        "SHARDSINK_CONTROLLER_SPARK_MASTER": standalone_cluster.master_url,
+        "PYSPARK_SUBMIT_ARGS": deployed["PYSPARK_SUBMIT_ARGS"].replace("spark.driver.host=controller", "spark.driver.host=127.0.0.1"),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SHARDSINK_METRICS_PORT": str(free_port()),
+        # This test's own catalog and command topics on the shared stack; every merge and peek
+        # on Spark (compose's threshold keeps small work in the controller's process).
+        "SHARDSINK_S3_PREFIX": f"deploy-ctl-{unique_id}",
+        "SHARDSINK_TOPIC_COMMANDS": f"commands-{unique_id}",
+        "SHARDSINK_TOPIC_RESPONSES": f"responses-{unique_id}",
+        "SHARDSINK_CONTROLLER_SPARK_MIN_BYTES": "0",
+    })
+    assert "spark.driver.host=127.0.0.1" in env["PYSPARK_SUBMIT_ARGS"]
+    settings = ServiceSettings.from_env_and_args(None, env)
+    for topic in (env["SHARDSINK_TOPIC_COMMANDS"], env["SHARDSINK_TOPIC_RESPONSES"]):
+        ensure_topic(settings.kafka, topic, 1)
+    log = tmp_path / "controller.log"
+    cmd = [sys.executable if c == "python" else c for c in svc["command"]]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    client = ControllerClient(settings.kafka, commands_topic=env["SHARDSINK_TOPIC_COMMANDS"],
+                              responses_topic=env["SHARDSINK_TOPIC_RESPONSES"])
+
+    def call(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        r = client.call(kind, body, timeout_s=180)
+        assert body_kind(r) != "Error", f"{r}\n{log.read_text()[-3000:]}"
+        return r
+
+    def jobs() -> dict[tuple[str, str], int]:
+        text = _scrape(int(env["SHARDSINK_METRICS_PORT"]))
+        found = re.findall(r'^shardsink_controller_spark_jobs_total\{kind="(\w+)",outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+        return {(k, o): int(float(n)) for k, o, n in found}
+
+    try:
+        call("CreateCollection", {"collection_id": "orders", "row_schema": json.dumps(SCHEMA), "initial_since": 0,
+                                  "read_policy": None})
+        shard = Shard.open(settings.store(), "orders")
+        # Inserts, retractions, multiplicities and error rows over six appends.
+        model: collections.Counter[Any] = collections.Counter()
+        for t in range(6):
+            ups: list[tuple[Any, ...]] = [({"k": t * 10 + i, "v": f"v{i % 3}"}, t, 1 + i % 2) for i in range(10)]
+            if t:
+                ups += [({"k": (t - 1) * 10 + i, "v": f"v{i % 3}"}, t, -1) for i in range(0, 10, 2)]
+            ups.append((None, t, 1, f"bad row at {t % 2}"))
+            for u in ups:
+                model[("err", u[3]) if u[0] is None else ("ok", u[0]["k"], u[0]["v"])] += u[2]
+            shard.compare_and_append(ups, t, t + 1)
+        want = {k: v for k, v in model.items() if v}
+
+        def rows(table: Any) -> dict[Any, int]:
+            return {(("err", r[ERROR]) if r[ERROR] is not None else ("ok", r["k"], r["v"])): r[DIFF] for r in table.to_pylist()}
+
+        # A peek, answered by a Spark job as a folder of Parquet objects.
+        r = call("Peek", {"collection_id": "orders", "as_of": 5, "max_inline_bytes": 0})
+        kind, res = r["body"][1]["result"]
+        assert kind.endswith("StoredRows") and res["format"] == "parquet-dataset", res
+        store = settings.store()
+        folder = res["key"][len(settings.s3.prefix) + 1:]
+        keys = sorted(i.key for i in store.list(folder))
+        assert keys, res
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        peeked = pa.concat_tables([pq.read_table(pa.BufferReader(store.get(k))) for k in keys])
+        assert rows(peeked) == want and res["row_count"] == len(want)
+        # since moves to 5: the history below it is merged by a Spark job.
+        call("SetReadPolicy", {"collection_id": "orders", "policy": ("io.shardsink.v1.LagWritesBy", {"lag": 1, "granularity": None})})
+        deadline = time.monotonic() + 180
+        while True:
+            st = shard.refresh()
+            below = [b for b in st.batches if b.upper.less_equal(st.since)]
+            if st.since.time == 5 and len(below) == 1 and below[0].since == st.since:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, (st.since, len(st.batches), log.read_text()[-3000:])
+            time.sleep(0.3)
+        assert rows(shard.snapshot(5)) == want
+        done = jobs()
+        assert done.get(("peek", "spark"), 0) >= 1 and done.get(("merge", "spark"), 0) >= 1, done
+        assert not any(n for (_, outcome), n in done.items() if outcome == "fallback"), done
+        apps = standalone_cluster.status()
+        names = [a["name"] for a in apps["activeapps"]]  # type: ignore[attr-defined]
+        assert "shardsink-controller" in names, names
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert deployed["AWS_SECRET_ACCESS_KEY"] not in log.read_text()
+    finally:
+        client.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def spark_workers(spark: dict[str, dict[str, Any]]) -> int:

@@ -18,7 +18,7 @@ from confluent_kafka import Producer, TopicPartition
 
 from shared.codec import kind_of, message_codec, tagged
 from shared.errors import DecodeError, KafkaTimeoutError
-from shared.io.kafka import KafkaSettings, new_consumer
+from shared.io.kafka import KafkaSettings, consume_available, new_consumer
 
 
 class ControllerClient:
@@ -82,7 +82,7 @@ class ControllerClient:
 
     def poll(self, timeout_s: float = 0.05) -> list[dict[str, Any]]:
         out = []
-        for m in self.consumer.consume(num_messages=500, timeout=timeout_s):
+        for m in consume_available(self.consumer, 500, timeout_s):
             if m.error() is not None:
                 continue
             try:

@@ -46,6 +46,7 @@ from services.controller.model import READER_ID, ControllerSettings, PendingPeek
 from services.controller.peeks import PeeksRoom
 from services.controller.subscribes import SubscribesRoom
 from shared.catalog import FencedError
+from shared.io.kafka import consume_available
 
 __all__ = [
     "READER_ID",
@@ -115,7 +116,7 @@ class Controller(CollectionsRoom, PeeksRoom, SubscribesRoom, CapabilitiesRoom, F
             self._ready.set()
             tick_s = self.settings.tick_ms / 1000.0
             while not self._stop.is_set():
-                msgs = self.consumer.consume(num_messages=64, timeout=tick_s)
+                msgs = consume_available(self.consumer, 64, tick_s)
                 for m in msgs:
                     if m.error() is not None:
                         log.warning("commands consumer: %s", m.error())

@@ -67,6 +67,7 @@ from shared.shard import (
     Shard,
     conform_part,
     consolidate,
+    decode_part,
     dictionary_columns,
     merge_table,
     merged_batch,
@@ -171,7 +172,7 @@ def split_task(job: ShardJob, keys: Sequence[str]) -> Iterator[tuple[int, bytes]
     view = job.view
 
     def one(key: str) -> pa.Table:
-        t = conform_part(pq.read_table(io.BytesIO(store.get(key))), view)  # any schema version
+        t = conform_part(decode_part(store.get(key)), view)  # any schema version
         if job.at is not None and t.num_rows:
             at = pa.scalar(job.at, pa.uint64())
             if job.mode == "merge":

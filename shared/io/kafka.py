@@ -254,6 +254,17 @@ def new_consumer(settings: KafkaSettings, **extra: Any) -> Consumer:
         raise translate(e, "creating a Kafka consumer") from e
 
 
+def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -> list[Any]:
+    """Up to ``max_messages`` messages: waits at most ``timeout_s`` for the first, then takes
+    those already fetched without waiting. (``Consumer.consume(n, timeout)`` returns only
+    once it has ``n`` messages or the timeout has passed: a lone command or response waited
+    the whole timeout, 50 ms on the controller's loop and on the client's.)"""
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *(consumer.consume(num_messages=max_messages - 1, timeout=0) if max_messages > 1 else [])]
+
+
 @dataclass(frozen=True, slots=True)
 class PartitionEnd:
     """A cached end: ``watermark`` as ListOffsets answered it, ``end`` as probed."""

@@ -43,7 +43,6 @@ exactly the state it planned.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -52,7 +51,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema
@@ -61,7 +59,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from shared.avro_arrow import avro_to_arrow_schema
 from shared.errors import InvalidUsageError
 from shared.io.s3 import S3ObjectStore, S3Settings
-from shared.shard import DIFF, ERROR, TIME, SchemaView, Shard, conform_part, consolidate, schema_view
+from shared.shard import DIFF, ERROR, TIME, SchemaView, Shard, conform_part, consolidate, decode_part, schema_view
 
 SOURCE_NAME = "shardsink"
 MAX_DEFAULT_PARTITIONS = 64
@@ -241,7 +239,7 @@ def read_bucket(
     row_cols = [n for n in schema.names if n not in (TIME, DIFF, ERROR)]
 
     def one(key: str) -> pa.Table:
-        t = pq.read_table(io.BytesIO(store.get(key)))
+        t = decode_part(store.get(key))
         if view is not None:
             t = conform_part(t, view)
         t = t if t.schema.equals(schema) else t.cast(schema)
