@@ -198,7 +198,11 @@ def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, reg
         appender.state = AppendState.restore(saved)
     if registry is not None:
         registry[sink.sink_id] = appender
-    df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic], starting_offsets="earliest")
+    from services.append.source import append_source
+
+    # Descriptions are held back until reports arrive (services/append/source.py).
+    df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic],
+                           starting_offsets="earliest", source=append_source(settings.descs_topic))
     ours = _connector(None) != "builtin"
 
     def each(batch_df: Any, batch_id: int) -> None:

@@ -31,6 +31,8 @@ from shared.io.spark_kafka import (
     KafkaDataSource,
     KafkaStreamReader,
     SourceOptions,
+    held_back,
+    news_beside,
     offsets_from_json,
     offsets_to_json,
 )
@@ -85,19 +87,16 @@ class MintStreamReader(KafkaStreamReader):
 
     def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
         end_json = super().latestOffset(start, limit)
-        desired, frontiers = self.hold["desired_topic"], self.hold["frontiers_topic"]
+        desired = self.hold["desired_topic"]
         now = time.monotonic()
         if not _holding(self.hold.get("file")) or now - self._admitted >= ADMIT_EVERY_S:
             self._admitted = now
             return end_json
         s, end = offsets_from_json(start), offsets_from_json(end_json)
-        news = any(o > s.get(frontiers, {}).get(p, 0) for p, o in end.get(frontiers, {}).items())
-        if news:
+        if news_beside(s, end, desired):
             self._admitted = now
             return end_json
-        held = s.get(desired, {})
-        end[desired] = {p: (held[p] if p in held else o) for p, o in end.get(desired, {}).items()}
-        return offsets_to_json(end)
+        return offsets_to_json(held_back(s, end, desired))
 
 
 class MintDataSource(KafkaDataSource):

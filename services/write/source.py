@@ -51,6 +51,8 @@ from shared.io.spark_kafka import (
     KafkaInputPartition,
     KafkaStreamReader,
     SourceOptions,
+    held_back,
+    news_beside,
     offsets_from_json,
     offsets_to_json,
 )
@@ -108,16 +110,10 @@ class DesiredStreamReader(KafkaStreamReader):
             self._admitted = now
             return end_json
         s, end = offsets_from_json(start), offsets_from_json(end_json)
-        news = any(
-            o > s.get(t, {}).get(p, 0) for t, ps in end.items() if t != desired for p, o in ps.items()
-        )
-        if news or self._backlog(s, limit):
+        if news_beside(s, end, desired) or self._backlog(s, limit):
             self._admitted = now
             return end_json
-        held = s.get(desired, {})
-        if desired in end:
-            end[desired] = {p: (held[p] if p in held else o) for p, o in end[desired].items()}
-        return offsets_to_json(end)
+        return offsets_to_json(held_back(s, end, desired))
 
     def _backlog(self, start: dict[str, dict[int, int]], limit: Any) -> bool:
         """More desired records wait than one micro-batch admits (``maxRecordsPerTrigger``): a

@@ -211,6 +211,22 @@ def pending(start: Offsets, end: Offsets) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def news_beside(start: Offsets, end: Offsets, held: str) -> bool:
+    """Whether ``end`` holds records past ``start`` on a topic other than ``held``."""
+    return any(o > start.get(t, {}).get(p, 0) for t, ps in end.items() if t != held for p, o in ps.items())
+
+
+def held_back(start: Offsets, end: Offsets, held: str) -> Offsets:
+    """``end`` with topic ``held`` kept where ``start`` has it (admission control that delays
+    a topic's records to a later micro-batch; a partition ``start`` does not know keeps
+    ``end``'s offset)."""
+    out = {t: dict(ps) for t, ps in end.items()}
+    if held in out:
+        before = start.get(held, {})
+        out[held] = {p: (before[p] if p in before else o) for p, o in out[held].items()}
+    return out
+
+
 def cap(start: Offsets, end: Offsets, max_records: int) -> Offsets:
     """``end`` reduced so that at most ``max_records`` records lie between ``start`` and it,
     shared among partitions in proportion to their backlog (remainders go to the partitions
