@@ -399,7 +399,12 @@ class OffsetProbe:
         return out
 
     def _probe(self, wms: Mapping[tuple[str, int], int]) -> dict[tuple[str, int], int]:
-        """Fetch the last batch of every partition (from ``watermark - 1``) until EOF."""
+        """Fetch the last batch of every partition (from ``watermark - 1``): the first record
+        fetched brings the fetch response's high watermark (the true end, also on Tansu,
+        whose ListOffsets alone under-reports), else read on until EOF. Asking for no more
+        records than partitions are pending keeps librdkafka from handing the rest of each
+        batch to Python, a message object per record (on Tansu the last batch is read whole:
+        hundreds of records per partition during a burst, at every trigger of every query)."""
         c = self._c()
         found: dict[tuple[str, int], int] = {tp: wm for tp, wm in wms.items()}
         pending = set(wms)
@@ -414,12 +419,17 @@ class OffsetProbe:
                         f"ends of {sorted(pending)}, found none",
                         partitions=sorted(pending),
                     )
-                for m in c.consume(num_messages=10_000, timeout=min(left, 0.02)):
+                for m in c.consume(num_messages=max(1, len(pending)), timeout=min(left, 0.02)):
                     tp = (str(m.topic()), int(m.partition() or 0))
                     off = int(m.offset() or 0)
                     err = m.error()
                     if err is None:
                         found[tp] = max(found[tp], off + 1)
+                        if tp in pending:
+                            _, hw = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
+                            if hw > off:  # the fetch response's high watermark: the end
+                                found[tp] = max(found[tp], int(hw))
+                                pending.discard(tp)
                     elif err.code() == KafkaError._PARTITION_EOF:
                         found[tp] = max(found[tp], off)
                         pending.discard(tp)
