@@ -333,7 +333,7 @@ class SparkStandalone:
     def alive_workers(self) -> int:
         try:
             return int(str(self.status().get("aliveworkers", 0)))
-        except OSError:
+        except (OSError, ValueError):  # not serving yet, or not the master's status (yet)
             return 0
 
     def start(self, timeout_s: float = 120.0) -> SparkStandalone:
@@ -354,6 +354,10 @@ class SparkStandalone:
                 logs / "master.log", env,
             )
             _wait_tcp(self.port, master, "the Spark master", timeout_s)
+            # Its web UI too, before the workers' UI ports are picked: a port picked while the
+            # master had not bound its own yet could be the same one (a worker's UI then
+            # answered the master's status requests with its HTML page).
+            _wait_tcp(self.webui_port, master, "the Spark master's web UI", timeout_s)
             for i in range(self.workers):
                 work = Path(self._tmp) / f"worker-{i}"
                 work.mkdir()
