@@ -778,7 +778,7 @@ class Shard:
                                         "collected after the grace period)", shard_id=self.shard_id)
             data = self.store.get(k)
             try:
-                table = pq.read_table(io.BytesIO(data))
+                table = decode_part(data)
             except (pa.ArrowInvalid, OSError) as e:
                 raise InvalidUsageError(f"expected a Parquet data object at {k!r}, found: {e}", shard_id=self.shard_id) from None
             if not table.schema.remove_metadata().equals(target):

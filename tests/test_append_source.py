@@ -1,6 +1,7 @@
 """The append query's source holds ``descs`` back until reports arrive
 (:mod:`services.append.source`), against the real broker: ``latestOffset`` admits the
-descriptions together with news on ``batches``, and at least every ``ADMIT_EVERY_S``;
+descriptions together with news on ``batches``, and at least every
+``shared.io.spark_kafka.ADMIT_EVERY_S``;
 otherwise it keeps their offsets where they were, and they stay for the next admitted
 micro-batch."""
 
@@ -12,21 +13,20 @@ import pytest
 
 import services.append.source as aps
 from shared.embedded import EmbeddedStack
-from shared.io.kafka import KafkaSettings
-from tests.test_spark_kafka_source import create_topic, produce
+from shared.io.spark_kafka import ADMIT_EVERY_S
+from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 
 def test_descriptions_wait_for_reports_or_a_second(
     stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(aps.time, "monotonic", lambda: clock[0])
+    clock = frozen_monotonic(monkeypatch)
     descs, batches = f"append-d-{unique_id}", f"append-b-{unique_id}"
     create_topic(stack.bootstrap_servers, descs, 1)
     create_topic(stack.bootstrap_servers, batches, 2)
-    name, cls, extra = aps.append_source(descs)
-    assert name == aps.APPEND_SOURCE
-    r = cls({"topics": f"{descs},{batches}", **KafkaSettings.of(stack.bootstrap_servers).to_options(), **extra}).streamReader(None)
+    source = aps.append_source(descs)
+    assert source[0] == aps.APPEND_SOURCE
+    r = stream_reader(stack.bootstrap_servers, source, [descs, batches])
     limit: Any = r.getDefaultReadLimit()
     start = r.initialOffset()
     produce(stack.bootstrap_servers, descs, [(0, b"d1")])
@@ -44,6 +44,6 @@ def test_descriptions_wait_for_reports_or_a_second(
     produce(stack.bootstrap_servers, descs, [(0, b"d3")])
     clock[0] += 0.5
     assert r.latestOffset(start, limit) == start
-    clock[0] += aps.ADMIT_EVERY_S  # no report within a second: the description comes anyway
+    clock[0] += ADMIT_EVERY_S  # no report within a second: the description comes anyway
     assert r.latestOffset(start, limit)[descs] == {"0": 3}
     r.stop()

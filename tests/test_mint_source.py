@@ -1,8 +1,8 @@
 """The mint query's source holds the desired topic back while the minter says it cannot use
 it (:mod:`services.mint.source`), against the real broker: ``latestOffset`` admits the desired
 records when the minter is not holding, together with an upper announcement on ``frontiers``,
-and at least every ``ADMIT_EVERY_S``; otherwise it keeps their offsets where they were, and
-the records stay for the next admitted micro-batch."""
+and at least every ``shared.io.spark_kafka.ADMIT_EVERY_S``; otherwise it keeps their offsets
+where they were, and the records stay for the next admitted micro-batch."""
 
 from __future__ import annotations
 
@@ -13,24 +13,21 @@ import pytest
 
 import services.mint.source as ms
 from shared.embedded import EmbeddedStack
-from shared.io.kafka import KafkaSettings
-from shared.io.spark_kafka import SourceOptions
-from tests.test_spark_kafka_source import create_topic, produce
+from shared.io.spark_kafka import ADMIT_EVERY_S
+from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 
 def reader(stack: EmbeddedStack, desired: str, frontiers: str, hold_file: Path | None) -> ms.MintStreamReader:
-    name, cls, extra = ms.mint_source(desired, frontiers, None if hold_file is None else str(hold_file))
-    options = {"topics": f"{desired},{frontiers}", **KafkaSettings.of(stack.bootstrap_servers).to_options(), **extra}
-    source = cls(options)
-    assert name == ms.MINT_SOURCE
-    return source.streamReader(None)
+    source = ms.mint_source(desired, None if hold_file is None else str(hold_file))
+    assert source[0] == ms.MINT_SOURCE
+    r: ms.MintStreamReader = stream_reader(stack.bootstrap_servers, source, [desired, frontiers])
+    return r
 
 
 def test_the_desired_topic_is_held_while_the_minter_holds_and_admitted_with_news(
     stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(ms.time, "monotonic", lambda: clock[0])
+    clock = frozen_monotonic(monkeypatch)
     desired, frontiers = f"mint-d-{unique_id}", f"mint-f-{unique_id}"
     create_topic(stack.bootstrap_servers, desired, 2)
     create_topic(stack.bootstrap_servers, frontiers, 1)
@@ -60,7 +57,7 @@ def test_the_desired_topic_is_held_while_the_minter_holds_and_admitted_with_news
     produce(stack.bootstrap_servers, desired, [(0, b"f")])
     clock[0] += 0.5
     assert latest(start) == start
-    clock[0] += ms.ADMIT_EVERY_S  # a second without admission: admitted anyway
+    clock[0] += ADMIT_EVERY_S  # a second without admission: admitted anyway
     assert latest(start)[desired] == {"0": 3, "1": 3}
     ms.write_hold(hold, False)  # not holding any more: admitted at once
     produce(stack.bootstrap_servers, desired, [(1, b"g")])

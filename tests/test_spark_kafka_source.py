@@ -45,6 +45,24 @@ def produce(bootstrap: str, topic: str, records: list[tuple[int, bytes]], rounds
         assert p.flush(30) == 0
 
 
+def stream_reader(bootstrap: str, source: tuple[str, Any, dict[str, str]], topics: list[str], **options: str) -> Any:
+    """The driver-side stream reader of a data source built on ``shardsink-kafka`` (the
+    ``source`` argument of ``kafka_read_stream``: name, class, extra options)."""
+    _, cls, extra = source
+    opts = {"topics": ",".join(topics), **KafkaSettings.of(bootstrap).to_options(), **extra, **options}
+    return cls(opts).streamReader(None)
+
+
+def frozen_monotonic(monkeypatch: Any, start: float = 1000.0) -> list[float]:
+    """``time.monotonic`` answers ``clock[0]``; move time on by adding to it (admission
+    control's clock in ``latestOffset``)."""
+    import time
+
+    clock = [start]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    return clock
+
+
 def run_available_now(df: Any, checkpoint: Path, tasks: list[int] | None = None) -> list[list[dict[str, Any]]]:
     """Runs the query to the current end; returns the rows of each non-empty micro-batch
     (and appends each micro-batch's number of input partitions to ``tasks``)."""

@@ -1,8 +1,8 @@
 """The write query's source holds the desired topic back between descriptions
 (:mod:`services.write.source`), against the real broker: ``latestOffset`` admits the desired
 records together with news on a control topic, when more of them wait than one micro-batch
-admits, and at least every ``ADMIT_EVERY_S``; otherwise it keeps their offsets where they
-were, and the records stay for the next admitted micro-batch."""
+admits, and at least every ``shared.io.spark_kafka.ADMIT_EVERY_S``; otherwise it keeps their
+offsets where they were, and the records stay for the next admitted micro-batch."""
 
 from __future__ import annotations
 
@@ -12,22 +12,21 @@ import pytest
 
 import services.write.source as ws
 from shared.embedded import EmbeddedStack
-from shared.io.kafka import KafkaSettings
-from tests.test_spark_kafka_source import create_topic, produce
+from shared.io.spark_kafka import ADMIT_EVERY_S
+from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 
 def reader(stack: EmbeddedStack, desired: str, control: str, **options: str) -> ws.DesiredStreamReader:
-    name, cls, extra = ws.desired_source(desired, '{"type": "record", "name": "r", "fields": []}', 2)
-    assert name == ws.DESIRED_SOURCE
-    opts = {"topics": f"{desired},{control}", **KafkaSettings.of(stack.bootstrap_servers).to_options(), **extra, **options}
-    return cls(opts).streamReader(None)
+    source = ws.desired_source(desired, '{"type": "record", "name": "r", "fields": []}', 2)
+    assert source[0] == ws.DESIRED_SOURCE
+    r: ws.DesiredStreamReader = stream_reader(stack.bootstrap_servers, source, [desired, control], **options)
+    return r
 
 
 def test_desired_records_wait_for_a_description_or_a_second(
     stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(ws.time, "monotonic", lambda: clock[0])
+    clock = frozen_monotonic(monkeypatch)
     desired, control = f"write-d-{unique_id}", f"write-c-{unique_id}"
     create_topic(stack.bootstrap_servers, desired, 2)
     create_topic(stack.bootstrap_servers, control, 1)
@@ -55,7 +54,7 @@ def test_desired_records_wait_for_a_description_or_a_second(
     produce(stack.bootstrap_servers, desired, [(0, b"f")])
     clock[0] += 0.5
     assert latest(start) == start
-    clock[0] += ws.ADMIT_EVERY_S  # a second without admission: admitted anyway
+    clock[0] += ADMIT_EVERY_S  # a second without admission: admitted anyway
     end = latest(start)
     assert end[desired] == {"0": 3, "1": 3} and end[control] == {"0": 1}
     r.stop()
@@ -64,8 +63,7 @@ def test_desired_records_wait_for_a_description_or_a_second(
 def test_a_backlog_larger_than_one_micro_batch_is_read_back_to_back(
     stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(ws.time, "monotonic", lambda: clock[0])
+    clock = frozen_monotonic(monkeypatch)
     desired, control = f"write-d2-{unique_id}", f"write-c2-{unique_id}"
     create_topic(stack.bootstrap_servers, desired, 2)
     create_topic(stack.bootstrap_servers, control, 1)

@@ -535,7 +535,7 @@ class ControllerSpark:
                 doomed.append(o["key"])
                 continue
             if o["rows"] > left:
-                t = pq.read_table(io.BytesIO(shard.store.get(o["key"]))).slice(0, left)
+                t = decode_part(shard.store.get(o["key"])).slice(0, left)
                 buf = io.BytesIO()
                 pq.write_table(t, buf, compression="snappy", use_dictionary=dictionary_columns(t))
                 shard.store.put(o["key"], buf.getvalue())
@@ -549,7 +549,7 @@ class ControllerSpark:
     def read_peek(self, shard: Shard, peek: StoredPeek) -> pa.Table:
         """A (small) stored peek read back into one table: row columns, ``_error``, ``_diff``."""
         schema = pa.schema([shard.part_schema.field(c) for c in [*shard.row_columns, ERROR, DIFF]])
-        tables = [pq.read_table(io.BytesIO(shard.store.get(o["key"]))) for o in peek.objects]
+        tables = [decode_part(shard.store.get(o["key"])) for o in peek.objects]
         return pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
 
     def snapshot_messages(self, shard: Shard, as_of: int, sid: str, row_schema: dict[str, Any],

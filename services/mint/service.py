@@ -197,7 +197,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         [sink.desired_topic, settings.frontiers_topic],
         starting_offsets="earliest",
         skip_value_prefixes={sink.desired_topic: update_prefix},
-        source=mint_source(sink.desired_topic, settings.frontiers_topic, hold_file),
+        source=mint_source(sink.desired_topic, hold_file),
     )
     desired_topic = sink.desired_topic
     # Ours: the few records are read on the driver by the batch's logged offsets. The builtin

@@ -10,13 +10,13 @@ project's 2-core machines), ten times a second. So the mint query's driver says 
 holding (:func:`write_hold`: a small file in the query's checkpoint, rewritten when it
 changes), and while it is, ``latestOffset`` admits the desired topic's records only together
 with an upper announcement on ``frontiers`` (the news that ends the hold, in the same
-micro-batch) or at least every :data:`ADMIT_EVERY_S` (mint then reads the shard's state in
+micro-batch) or at least every :data:`shared.io.spark_kafka.ADMIT_EVERY_S` (mint then reads the shard's state in
 case an announcement was lost). Admission control only ever delays records: the next
 admitted micro-batch covers every held one, and mint reads each desired partition's range
 back to its latest progress statement (:func:`services.sinkio.read_latest_progress`).
 
-Same options as ``shardsink-kafka``, plus ``shardsinkMintHold`` (JSON: the hold file, the
-desired topic, the frontiers topic). A checkpoint that is not a local path (``s3a://``) has no
+Same options as ``shardsink-kafka``, plus ``shardsinkMintHold`` (JSON: the hold file and the
+desired topic). A checkpoint that is not a local path (``s3a://``) has no
 hold file: the source then admits everything, as the plain Kafka source does.
 """
 
@@ -24,23 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
-from shared.io.spark_kafka import (
-    KafkaDataSource,
-    KafkaStreamReader,
-    SourceOptions,
-    held_back,
-    news_beside,
-    offsets_from_json,
-    offsets_to_json,
-)
+from shared.io.spark_kafka import HoldingStreamReader, KafkaDataSource, SourceOptions
 
 MINT_SOURCE = "shardsink-mint"
 HOLD_OPTION = "shardsinkMintHold"
-#: While holding, the desired topic is admitted at least this often.
-ADMIT_EVERY_S = 1.0
 HOLD_FILE = "mint-hold"
 
 
@@ -76,27 +65,19 @@ def _holding(path: str | None) -> bool:
         return False
 
 
-class MintStreamReader(KafkaStreamReader):
+class MintStreamReader(HoldingStreamReader):
+    """Holds the desired topic back while the minter's hold file says so; news on
+    ``frontiers`` (the other topic it reads) ends the hold."""
+
     def __init__(self, options: SourceOptions, hold: dict[str, Any]) -> None:
-        super().__init__(options)
+        super().__init__(options, held=hold["desired_topic"])
         self.hold = hold
-        self._admitted = float("-inf")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "hold": self.hold, "_admitted": float("-inf")}
+        return {**super().__getstate__(), "hold": self.hold}
 
-    def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
-        end_json = super().latestOffset(start, limit)
-        desired = self.hold["desired_topic"]
-        now = time.monotonic()
-        if not _holding(self.hold.get("file")) or now - self._admitted >= ADMIT_EVERY_S:
-            self._admitted = now
-            return end_json
-        s, end = offsets_from_json(start), offsets_from_json(end_json)
-        if news_beside(s, end, desired):
-            self._admitted = now
-            return end_json
-        return offsets_to_json(held_back(s, end, desired))
+    def holding(self) -> bool:
+        return _holding(self.hold.get("file"))
 
 
 class MintDataSource(KafkaDataSource):
@@ -111,7 +92,7 @@ class MintDataSource(KafkaDataSource):
         return MintStreamReader(SourceOptions.parse(self.options), json.loads(low[HOLD_OPTION.lower()]))
 
 
-def mint_source(desired_topic: str, frontiers_topic: str, hold_file: str | None) -> tuple[str, type[MintDataSource], dict[str, str]]:
+def mint_source(desired_topic: str, hold_file: str | None) -> tuple[str, type[MintDataSource], dict[str, str]]:
     """The ``source`` argument of :func:`shared.io.spark_kafka.kafka_read_stream`."""
-    hold = {"file": hold_file, "desired_topic": desired_topic, "frontiers_topic": frontiers_topic}
+    hold = {"file": hold_file, "desired_topic": desired_topic}
     return MINT_SOURCE, MintDataSource, {HOLD_OPTION: json.dumps(hold)}

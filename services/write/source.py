@@ -27,8 +27,10 @@ but the correction buffer, and each micro-batch that admits them costs its plann
 and a task per writer partition (about 60 ms of CPU on this project's 2-core machines).
 ``latestOffset`` therefore admits the desired topic's records together with news on a
 control topic (a description, an upper announced: they are read in the same micro-batch),
-or at least every :data:`ADMIT_EVERY_S`, so that the buffer never lags the topic by more than
-that. Holding only ever delays records: the next admitted micro-batch covers every held one.
+when more of them wait than one micro-batch admits, or at least every
+:data:`shared.io.spark_kafka.ADMIT_EVERY_S`, so that the buffer never lags the topic by more
+than that (:class:`shared.io.spark_kafka.HoldingStreamReader`). Holding only ever delays
+records: the next admitted micro-batch covers every held one.
 
 Same options as ``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row
 schema, writer partitions, quarantined ranges).
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -46,23 +47,20 @@ import pyarrow as pa
 from pyspark.sql.datasource import InputPartition
 
 from services.sinkio import ROUTED_DDL, decode_partition
+from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
+
 from shared.io.spark_kafka import (
+    HoldingStreamReader,
     KafkaDataSource,
     KafkaInputPartition,
-    KafkaStreamReader,
+    Offsets,
     SourceOptions,
-    held_back,
-    news_beside,
-    offsets_from_json,
-    offsets_to_json,
 )
 
 DESIRED_SOURCE = "shardsink-desired"
 DECODE_OPTION = "shardsinkDecode"
 #: The local property that carries the micro-batch id to the write step's tasks.
 BATCH_PROPERTY = "shardsink.write.batchId"
-#: Without news on a control topic, the desired topic is admitted at least this often.
-ADMIT_EVERY_S = 1.0
 
 
 class WriterPartition(InputPartition):
@@ -87,45 +85,26 @@ def writer_partitions(
     return [WriterPartition(wp, desired.get(wp), control) for wp in wps]
 
 
-class DesiredStreamReader(KafkaStreamReader):
+class DesiredStreamReader(HoldingStreamReader):
+    """Holds the desired topic back between descriptions (module docstring); a writer that
+    catches up (more desired records waiting than one micro-batch admits) reads them back to
+    back."""
+
     #: The decode needs values and offsets only (the history-gap marker is the source's own
     #: record, not a header of the topic's).
     values_only = True
 
     def __init__(self, options: SourceOptions, decode: dict[str, Any], step: Any = None) -> None:
-        super().__init__(options)
+        super().__init__(options, held=decode["desired_topic"])
         self.decode = decode
         #: The write job (:class:`services.write.service.WriteJob`) whose step ``read()`` runs.
         self.step = step
-        self._admitted = float("-inf")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "decode": self.decode, "step": self.step, "_admitted": float("-inf")}
+        return {**super().__getstate__(), "decode": self.decode, "step": self.step}
 
-    def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
-        end_json = super().latestOffset(start, limit)
-        desired = self.decode["desired_topic"]
-        now = time.monotonic()
-        if now - self._admitted >= ADMIT_EVERY_S:
-            self._admitted = now
-            return end_json
-        s, end = offsets_from_json(start), offsets_from_json(end_json)
-        if news_beside(s, end, desired) or self._backlog(s, limit):
-            self._admitted = now
-            return end_json
-        return offsets_to_json(held_back(s, end, desired))
-
-    def _backlog(self, start: dict[str, dict[int, int]], limit: Any) -> bool:
-        """More desired records wait than one micro-batch admits (``maxRecordsPerTrigger``): a
-        writer catching up reads them back to back."""
-        from pyspark.sql.streaming.datasource import ReadMaxRows
-
-        if not isinstance(limit, ReadMaxRows) or self._latest is None:
-            return False
-        desired = self.decode["desired_topic"]
-        s = start.get(desired, {})
-        waiting = sum(max(0, e - s.get(p, 0)) for p, e in self._latest.get(desired, {}).items())
-        return waiting >= int(limit.max_rows)
+    def admits(self, start: Offsets, limit: ReadLimit) -> bool:
+        return isinstance(limit, ReadMaxRows) and self.waiting(start) >= int(limit.max_rows)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         d = self.decode

@@ -96,7 +96,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -534,7 +534,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        s = offsets_from_json(start)
+        return offsets_to_json(self._end(offsets_from_json(start), limit))
+
+    def _end(self, s: Offsets, limit: ReadLimit) -> Offsets:
+        """The end of the next micro-batch from ``s``: every record there is (up to the
+        availableNow target), capped by ``limit``."""
         if self.options.history_gap_topics:
             # Lost offsets are no records: admission control counts from the low watermark.
             lows = self.low_watermarks()
@@ -553,7 +557,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end = advance(s, latest)
         if isinstance(limit, ReadMaxRows):
             end = cap(s, end, int(limit.max_rows))
-        return offsets_to_json(end)
+        return end
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         return offsets_to_json(self._latest) if self._latest is not None else None
@@ -1026,6 +1030,55 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         pass
+
+
+#: Without news beside it, a :class:`HoldingStreamReader`'s held topic is admitted at least
+#: this often.
+ADMIT_EVERY_S = 1.0
+
+
+class HoldingStreamReader(KafkaStreamReader):
+    """Admission control that holds the records of one topic it reads (``held``) back while
+    they cannot change what its query does, because a micro-batch costs its planning, offset
+    and commit logs and driver call (tens of ms of CPU) whatever it holds. ``latestOffset``
+    admits them together with news on any other topic it reads (read in the same
+    micro-batch), while :meth:`holding` says no, when :meth:`admits` says so, at an
+    availableNow trigger, and at least every :data:`ADMIT_EVERY_S`; otherwise the held topic
+    keeps the offsets of ``start``. Holding only ever delays records: the next admitted
+    micro-batch covers every held one. The first call (a start or a restart) admits."""
+
+    admit_every_s: ClassVar[float] = ADMIT_EVERY_S
+
+    def __init__(self, options: SourceOptions, held: str) -> None:
+        super().__init__(options)
+        self.held = held
+        self._admitted = float("-inf")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "held": self.held, "_admitted": float("-inf")}
+
+    def holding(self) -> bool:
+        """Whether the query cannot use the held topic now (default: always)."""
+        return True
+
+    def admits(self, start: Offsets, limit: ReadLimit) -> bool:
+        """Another reason to admit the held topic at once (default: none)."""
+        return False
+
+    def waiting(self, start: Offsets) -> int:
+        """Records of the held topic past ``start``, up to the latest ends last looked up."""
+        s = start.get(self.held, {})
+        return sum(max(0, e - s.get(p, 0)) for p, e in (self._latest or {}).get(self.held, {}).items())
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        s = offsets_from_json(start)
+        end = self._end(s, limit)
+        now = time.monotonic()
+        if (self._target is not None or not self.holding() or now - self._admitted >= self.admit_every_s
+                or news_beside(s, end, self.held) or self.admits(s, limit)):
+            self._admitted = now
+            return offsets_to_json(end)
+        return offsets_to_json(held_back(s, end, self.held))
 
 
 class KafkaDataSource(DataSource):
