@@ -586,6 +586,24 @@ def read_latest_progress(
     return pa.concat_tables(list(reversed(windows)))
 
 
+def latest_progress_record(
+    kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
+) -> tuple[int, bytes] | None:
+    """The offset and value of the latest progress statement of ``topic``/``partition`` in
+    ``[start, end)`` (:func:`read_latest_progress`), None when the range holds none."""
+    raw = read_latest_progress(kafka, topic, partition, start, end, skip_prefix)
+    if raw.num_rows == 0:
+        return None
+    decoded = decode_on_driver(raw, topic, progress_only=True)
+    offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
+               if k == KIND_PROGRESS]
+    if not offsets:
+        return None
+    last = max(offsets)
+    values = dict(zip(raw["offset"].to_pylist(), raw["value"].to_pylist(), strict=True))
+    return last, values[last]
+
+
 def _empty_raw() -> pa.Table:
     return pa.table({"topic": pa.array([], pa.string()), "partition": pa.array([], pa.int32()),
                      "offset": pa.array([], pa.int64()), "value": pa.array([], pa.binary())})

@@ -13,14 +13,15 @@ import pytest
 
 import services.mint.source as ms
 from shared.embedded import EmbeddedStack
-from shared.io.spark_kafka import ADMIT_EVERY_S
+from shared.io.spark_kafka import ADMIT_EVERY_S, close_pooled_consumers
 from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 
-def reader(stack: EmbeddedStack, desired: str, frontiers: str, hold_file: Path | None) -> ms.MintStreamReader:
+def reader(stack: EmbeddedStack, desired: str, frontiers: str, hold_file: Path | None,
+           **options: str) -> ms.MintStreamReader:
     source = ms.mint_source(desired, None if hold_file is None else str(hold_file))
     assert source[0] == ms.MINT_SOURCE
-    r: ms.MintStreamReader = stream_reader(stack.bootstrap_servers, source, [desired, frontiers])
+    r: ms.MintStreamReader = stream_reader(stack.bootstrap_servers, source, [desired, frontiers], **options)
     return r
 
 
@@ -80,3 +81,75 @@ def test_a_checkpoint_that_is_not_a_local_path_has_no_hold_and_admits_everything
     r.latestOffset(start, r.getDefaultReadLimit())  # the first call admits, as always
     assert r.latestOffset(start, r.getDefaultReadLimit())[desired] == {"0": 1}
     r.stop()
+
+
+def test_the_source_finds_each_desired_ranges_latest_progress_statement_while_planning(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The minter's driver takes the desired partitions' latest statements from the logged
+    offsets (``planned_progress``) instead of reading the topic: each is the statement the
+    driver's own tail read finds; a range without one keeps the one before (or none); a range
+    the source could not read has no entry, so the minter reads it itself."""
+    from shared.codec import MARKER, message_codec
+
+    prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
+    desired, frontiers = f"mint-p-{unique_id}", f"mint-pf-{unique_id}"
+    create_topic(stack.bootstrap_servers, desired, 2)
+    create_topic(stack.bootstrap_servers, frontiers, 1)
+    hold = str(tmp_path / "ck" / ms.HOLD_FILE)
+    ms.write_hold(hold, False)
+    r = reader(stack, desired, frontiers, Path(hold), skipValuePrefixes=f"{desired}={prefix.hex()}")
+    try:
+        check_latest_progress(r, stack, desired, prefix, monkeypatch)
+    finally:
+        r.stop()
+        close_pooled_consumers()  # this process's pooled consumers go before the broker does
+
+
+def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired: str, prefix: bytes,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.sinkio import latest_progress_record
+    from shared.codec import RowCodec
+    from shared.desired import encode_progress, encode_update
+    from shared.errors import KafkaUnavailableError
+    from shared.frontier import Frontier
+    from shared.io.spark_kafka import offsets_from_json
+
+    rows = RowCodec({"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]})
+
+    def updates(n: int, part: int) -> list[tuple[int, bytes]]:
+        return [(part, encode_update(rows.encode({"k": i}), 1, 1)) for i in range(n)]
+
+    limit: Any = r.getDefaultReadLimit()
+    start = r.initialOffset()
+    # Partition 0: statements at 5 and 3 behind updates; partition 1: updates only.
+    produce(stack.bootstrap_servers, desired,
+            updates(700, 0) + [(0, encode_progress(0, Frontier.at(5)))] + updates(40, 0)
+            + [(0, encode_progress(0, Frontier.at(7)))] + updates(3, 0) + updates(20, 1), rounds=3)
+    end = r.latestOffset(start, limit)
+    assert offsets_from_json(end)[desired] == {0: 745, 1: 20}
+    got = ms.planned_progress(end)
+    assert got[0] == latest_progress_record(r.options.settings, desired, 0, 0, 745, prefix)
+    assert got[0] is not None and got[0][0] == 741 and got[0][1] == encode_progress(0, Frontier.at(7))
+    assert got[1] is None  # read, and none there
+    # Nothing new: the annotation is carried, so the offsets equal the start (no new batch).
+    start = end
+    assert r.latestOffset(start, limit) == start
+    # Partition 1 gets a statement, partition 0 only updates: 0 keeps its (older) statement.
+    produce(stack.bootstrap_servers, desired, updates(5, 0) + updates(5, 1) + [(1, encode_progress(1, Frontier.at(9)))])
+    end = r.latestOffset(start, limit)
+    got = ms.planned_progress(end)
+    assert got[0] is not None and got[0][0] == 741  # below this range's start: nothing new in it
+    assert got[1] == (25, encode_progress(1, Frontier.at(9)))
+    # A tail the source cannot read: no entry for that partition.
+    start = end
+    produce(stack.bootstrap_servers, desired, updates(2, 0))
+
+    def unavailable(*a: Any) -> None:
+        raise KafkaUnavailableError("broker gone")
+
+    monkeypatch.setattr("services.sinkio.latest_progress_record", unavailable)
+    end = r.latestOffset(start, limit)
+    got = ms.planned_progress(end)
+    assert 0 not in got and got[1] == (25, encode_progress(1, Frontier.at(9)))
+    assert ms.planned_progress({desired: {"0": 3}}) == {}  # offsets without the annotation

@@ -17,20 +17,22 @@ Contract (the seeds' mint operator):
   (:mod:`services.driver_state`), so a restarted minter reads only what came after them,
   never the desired topic's history. Its first description (a new epoch) supersedes any in
   flight.
-- cost: no Spark job per micro-batch: the driver reads the micro-batch's records by the
-  offsets Spark logged. Of each desired partition's range it reads only the tail back to the
-  latest progress statement (:func:`services.sinkio.read_latest_progress`: a partition's
-  progress only moves forward, so the last statement is the one that counts), dropping
-  updates by their framing prefix; the few records left (progress statements, upper
-  advances) are decoded there. The desired updates are the write service's to read. And it
-  reads them only when the desired frontier can matter: while a description is in flight (the
+- cost: no Spark job per micro-batch, and no desired record read on the driver: the
+  query's source (:mod:`services.mint.source`) finds each admitted desired range's latest
+  progress statement while it plans the micro-batch, reading the range's tail back to it
+  (:func:`services.sinkio.read_latest_progress`: a partition's progress only moves forward,
+  so the last statement is the one that counts), and carries it in the offsets Spark logs for
+  the micro-batch; the driver takes it from there (:func:`services.mint.source.planned_progress`)
+  and reads only the ``frontiers`` records by the logged offsets. The desired updates are the
+  write service's to read. A range whose tail the source could not read is the driver's to
+  read, and only when the desired frontier can matter: while a description is in flight (the
   shard's upper has not moved since the last one), no description can be minted whatever the
-  desired frontier, so the desired ranges of those micro-batches are kept as unread
-  (``unread``: per partition, from the first offset not read to the last planned) and read,
-  tail first, at the micro-batch that learns the upper moved. A read-only minter reads at
-  every micro-batch (its desired frontier is what the metrics show). The unread ranges are
-  saved with the driver state, so a restarted minter reads them. The query's source
-  (:mod:`services.mint.source`) also holds the desired records back meanwhile, so they do not
+  desired frontier, so such ranges are kept as unread (``unread``: per partition, from the
+  first offset not read to the last planned) and read, tail first, at the micro-batch that
+  learns the upper moved (a later statement from the source makes them moot). A read-only
+  minter reads at every micro-batch (its desired frontier is what the metrics show). The
+  unread ranges are saved with the driver state, so a restarted minter reads them. The source
+  also holds the desired records back while a description is in flight, so they do not
   trigger micro-batches that could decide nothing.
 
 One active minter per sink: run one mint service (or one all-in-one application).
@@ -92,6 +94,13 @@ class SinkMinter:
         """A micro-batch planned ``[start, end)`` of a desired partition."""
         old = self.unread.get(partition)
         self.unread[partition] = (start if old is None else min(old[0], start), end if old is None else max(old[1], end))
+
+    def note_read(self, partition: int, offset: int) -> None:
+        """The latest progress statement of a desired partition up to ``offset`` is known: an
+        unread range before it holds only older statements, which cannot move the frontier."""
+        old = self.unread.get(partition)
+        if old is not None and old[1] <= offset:
+            del self.unread[partition]
 
     def wants_desired(self) -> bool:
         """Whether the desired frontier can matter now: read-only (the metrics follow it), or a
@@ -186,7 +195,8 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     # on the executors: mint needs only progress statements (decode_partition drops them
     # too, for the builtin connector and older schema versions).
     update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
-    from services.mint.source import hold_path, mint_source, write_hold
+    from services.driver_state import planned_offsets
+    from services.mint.source import hold_path, mint_source, planned_progress, write_hold
 
     hold_file = hold_path(checkpoint)
     write_hold(hold_file, False)  # a new minter can mint: nothing is held at its start
@@ -212,10 +222,29 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     def each(batch_df: Any, batch_id: int) -> None:
         planned = planned_ranges(states.files, batch_id) if ours else None
         if planned is not None:
+            # The source found each desired range's latest progress statement while planning
+            # (services/mint/source.py): take it from the logged offsets; a range it could not
+            # read is read here, when it can matter.
+            known = planned_progress(planned_offsets(states.files, batch_id))
+            statements = []
             for t, p, lo, hi in planned:
-                if t == desired_topic:
+                if t != desired_topic:
+                    continue
+                if p not in known:
                     minter.note_unread(p, lo, hi)
+                    continue
+                found = known[p]
+                if found is not None and found[0] >= lo:
+                    statements.append((p, *found))
+                    minter.note_read(p, found[0])
             raw = read_ranges(settings.kafka, [r for r in planned if r[0] != desired_topic])
+            if statements:
+                raw = pa.concat_tables([raw, pa.table({
+                    "topic": pa.array([desired_topic] * len(statements), pa.string()),
+                    "partition": pa.array([p for p, _, _ in statements], pa.int32()),
+                    "offset": pa.array([o for _, o, _ in statements], pa.int64()),
+                    "value": pa.array([v for _, _, v in statements], pa.binary()),
+                }).cast(raw.schema)])
             minter.process(decode_on_driver(raw, desired_topic, progress_only=True), read_unread)
         else:
             minter.process(collect_decoded(batch_df, desired_topic, progress_only=True, on_driver=ours))

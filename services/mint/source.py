@@ -15,6 +15,16 @@ case an announcement was lost). Admission control only ever delays records: the 
 admitted micro-batch covers every held one, and mint reads each desired partition's range
 back to its latest progress statement (:func:`services.sinkio.read_latest_progress`).
 
+It also finds, while planning, what mint needs of the admitted desired records: each
+partition's latest progress statement (read back from the range's end,
+:func:`services.sinkio.latest_progress_record`), carried in the micro-batch's offsets under
+:data:`PROGRESS_KEY` (an annotation, which the Kafka source's offsets leave out:
+``{"<partition>": [offset, base64 value]}``, the latest statement below the partition's end
+offset that the source has seen, ``[-1, null]`` for none). Spark logs the offsets with the
+micro-batch, so the minter's driver reads the statements there (:func:`planned_progress`)
+instead of reading the desired topic itself: the driver coordinates, the source runner reads.
+A partition whose tail could not be read has no entry, and the minter reads that range itself.
+
 Same options as ``shardsink-kafka``, plus ``shardsinkMintHold`` (JSON: the hold file and the
 desired topic). A checkpoint that is not a local path (``s3a://``) has no
 hold file: the source then admits everything, as the plain Kafka source does.
@@ -22,15 +32,32 @@ hold file: the source then admits everything, as the plain Kafka source does.
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from shared.io.spark_kafka import HoldingStreamReader, KafkaDataSource, SourceOptions
+from pyspark.sql.streaming.datasource import ReadLimit
+
+from shared.errors import ShardsinkError
+from shared.io.spark_kafka import (
+    ANNOTATION_PREFIX,
+    HoldingStreamReader,
+    KafkaDataSource,
+    SourceOptions,
+    offsets_from_json,
+)
+
+log = logging.getLogger("shardsink.mint")
 
 MINT_SOURCE = "shardsink-mint"
 HOLD_OPTION = "shardsinkMintHold"
 HOLD_FILE = "mint-hold"
+#: The annotation of a mint micro-batch's offsets that carries the desired partitions' latest
+#: progress statements.
+PROGRESS_KEY = ANNOTATION_PREFIX + "progress"
 
 
 def hold_path(checkpoint: str) -> str | None:
@@ -78,6 +105,54 @@ class MintStreamReader(HoldingStreamReader):
 
     def holding(self) -> bool:
         return _holding(self.hold.get("file"))
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        end = super().latestOffset(start, limit)
+        progress = self.latest_progress(offsets_from_json(start), offsets_from_json(end), start.get(PROGRESS_KEY))
+        return {**end, PROGRESS_KEY: progress} if progress else end
+
+    def latest_progress(self, start: Mapping[str, Mapping[int, int]], end: Mapping[str, Mapping[int, int]],
+                        carried: Any) -> dict[str, list[Any]]:
+        """The :data:`PROGRESS_KEY` annotation of ``end``: ``carried`` (``start``'s), updated
+        with the latest statement of each desired range ``[start, end)`` that is not empty."""
+        from services.sinkio import latest_progress_record
+
+        topic = self.hold["desired_topic"]
+        prefix = dict(self.options.skip_value_prefixes).get(topic)
+        out: dict[str, list[Any]] = dict(carried) if isinstance(carried, Mapping) else {}
+        for p, b in sorted(end.get(topic, {}).items()):
+            a = start.get(topic, {}).get(p, 0)
+            if b <= a:
+                continue
+            try:
+                found = latest_progress_record(self.options.settings, topic, p, a, b, prefix)
+            except ShardsinkError as e:
+                # The minter reads the range itself (and meets the error there, typed).
+                log.warning("could not read the latest progress of %s/%d in [%d, %d): %s", topic, p, a, b, e)
+                out.pop(str(p), None)
+                continue
+            if found is not None:
+                out[str(p)] = [found[0], base64.b64encode(found[1]).decode()]
+            elif str(p) not in out:
+                out[str(p)] = [-1, None]
+        return out
+
+
+def planned_progress(offsets: Mapping[str, Any] | None) -> dict[int, tuple[int, bytes] | None]:
+    """The :data:`PROGRESS_KEY` annotation of a mint micro-batch's logged end ``offsets`` by
+    partition: ``(offset, value)`` of the latest statement below the end, None when there is
+    none; a partition without an entry is missing (the minter reads its range itself)."""
+    raw = (offsets or {}).get(PROGRESS_KEY)
+    out: dict[int, tuple[int, bytes] | None] = {}
+    if not isinstance(raw, Mapping):
+        return out
+    for p, entry in raw.items():
+        try:
+            off, value = entry
+            out[int(p)] = None if value is None or int(off) < 0 else (int(off), base64.b64decode(value))
+        except (TypeError, ValueError):
+            continue  # not an entry this source writes: the minter reads the range itself
+    return out
 
 
 class MintDataSource(KafkaDataSource):

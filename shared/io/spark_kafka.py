@@ -169,11 +169,21 @@ def offsets_to_json(o: Mapping[str, Mapping[int, int]]) -> dict[str, dict[str, i
     return {t: {str(p): int(o[t][p]) for p in sorted(o[t])} for t in sorted(o)}
 
 
+#: Keys of a source's offsets that start with it are annotations, not topics (a Kafka topic
+#: name is made of letters, digits, ``.``, ``_`` and ``-`` only): a source built on this one
+#: may carry what it learned while planning a micro-batch in the micro-batch's logged offsets
+#: (``services.mint.source``: each desired partition's latest progress statement).
+ANNOTATION_PREFIX = "@"
+
+
 def offsets_from_json(j: Mapping[str, Any]) -> Offsets:
+    """The offsets of the checkpoint form (annotations, :data:`ANNOTATION_PREFIX`, left out)."""
     if not isinstance(j, Mapping):
         raise KafkaConfigError(f"expected offsets as {{topic: {{partition: offset}}}}, found {j!r}")
     out: Offsets = {}
     for t, parts in j.items():
+        if str(t).startswith(ANNOTATION_PREFIX):
+            continue
         if not isinstance(parts, Mapping):
             raise KafkaConfigError(
                 f"expected {{partition: offset}} for topic {t!r}, found {parts!r}"
