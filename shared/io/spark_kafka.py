@@ -44,9 +44,11 @@ read at every micro-batch; the source treats those offsets as the partitions' lo
 (as if retention had deleted the records below them), because the embedded broker (Tansu)
 rejects DeleteRecords.
 
-Offsets in the checkpoint are JSON ``{topic: {partition: next_offset}}``. Every latestOffset
-re-reads the topics' partitions, so partitions (and topics listed but not yet created) that
-appear later are picked up, starting at offset 0. Ends are found with
+Offsets in the checkpoint are JSON ``{topic: {partition: next_offset}}`` (keys starting with
+``@`` are annotations of sources built on this one, not topics). latestOffset re-reads the
+topics' partitions (a topic's list is kept :data:`PARTITIONS_TTL_S`; a topic listed but not
+yet created is looked up every time), so partitions and topics that appear later are picked
+up, starting at offset 0. Ends are found with
 :class:`shared.io.kafka.OffsetProbe` (correct on Tansu, whose ListOffsets under-reports).
 A micro-batch's non-empty topic-partition ranges are packed into tasks of at least
 ``minRecordsPerTask`` records (default 10000; at most one task per range, each range whole in
@@ -168,6 +170,10 @@ def offsets_to_json(o: Mapping[str, Mapping[int, int]]) -> dict[str, dict[str, i
     """The checkpoint form: partition keys as strings, sorted for stable JSON."""
     return {t: {str(p): int(o[t][p]) for p in sorted(o[t])} for t in sorted(o)}
 
+
+#: How long a streaming source keeps a topic's partition list before it looks it up again:
+#: partitions added to a topic are read from their first offset within this time.
+PARTITIONS_TTL_S = 5.0
 
 #: Keys of a source's offsets that start with it are annotations, not topics (a Kafka topic
 #: name is made of letters, digits, ``.``, ``_`` and ``-`` only): a source built on this one
@@ -457,9 +463,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._probe: OffsetProbe | None = None
         self._target: Offsets | None = None  # availableNow: do not read beyond this
         self._latest: Offsets | None = None
+        self._partitions: dict[str, tuple[float, list[int]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_target": None, "_latest": None}
+        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -471,10 +478,21 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._probe
 
     def _parts(self, topic: str) -> list[int]:
+        """The partitions of ``topic``, looked up again once :data:`PARTITIONS_TTL_S` passed
+        (a metadata request per topic at every trigger of every query was about a tenth of
+        the source runners' CPU); none while the topic does not exist (picked up once it
+        does)."""
+        now = time.monotonic()
+        known = self._partitions.get(topic)
+        if known is not None and now - known[0] < PARTITIONS_TTL_S:
+            return known[1]
         try:
-            return self._p().partitions_of(topic)
+            parts = self._p().partitions_of(topic)
         except UnknownTopicError:
-            return []  # a listed topic that does not exist yet: picked up once it does
+            self._partitions.pop(topic, None)
+            return []
+        self._partitions[topic] = (now, parts)
+        return parts
 
     def latest_ends(self) -> Offsets:
         """The true end of every partition of every topic."""
