@@ -37,6 +37,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pyspark.sql.streaming.datasource import ReadLimit
@@ -120,15 +121,26 @@ class MintStreamReader(HoldingStreamReader):
         topic = self.hold["desired_topic"]
         prefix = dict(self.options.skip_value_prefixes).get(topic)
         out: dict[str, list[Any]] = dict(carried) if isinstance(carried, Mapping) else {}
-        for p, b in sorted(end.get(topic, {}).items()):
-            a = start.get(topic, {}).get(p, 0)
-            if b <= a:
-                continue
+        ranges = [(p, start.get(topic, {}).get(p, 0), b) for p, b in sorted(end.get(topic, {}).items())]
+        ranges = [(p, a, b) for p, a, b in ranges if b > a]
+
+        def one(r: tuple[int, int, int]) -> tuple[int, bytes] | None | ShardsinkError:
             try:
-                found = latest_progress_record(self.options.settings, topic, p, a, b, prefix)
+                return latest_progress_record(self.options.settings, topic, *r, prefix)
             except ShardsinkError as e:
+                return e
+
+        # The partitions' tails are read concurrently (a consumer each; librdkafka waits and
+        # parses without the GIL): the micro-batch waits for the slowest, not for their sum.
+        if len(ranges) > 1:
+            with ThreadPoolExecutor(max_workers=min(8, len(ranges))) as ex:
+                results = list(ex.map(one, ranges))
+        else:
+            results = [one(r) for r in ranges]
+        for (p, a, b), found in zip(ranges, results, strict=True):
+            if isinstance(found, ShardsinkError):
                 # The minter reads the range itself (and meets the error there, typed).
-                log.warning("could not read the latest progress of %s/%d in [%d, %d): %s", topic, p, a, b, e)
+                log.warning("could not read the latest progress of %s/%d in [%d, %d): %s", topic, p, a, b, found)
                 out.pop(str(p), None)
                 continue
             if found is not None:
