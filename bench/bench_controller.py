@@ -10,7 +10,10 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   past 20 batches of 50k rows, divided by the time from the SetReadPolicy command to the
   merge's commit (the time stamped on the parts it retired; the bench polls every 50 ms, so
   that its own S3 requests do not slow the merge down); ``compaction_rows_per_s`` the rows
-  merged per second; the controller merges in its process (no Spark master)
+  merged per second; the controller merges in its process (no Spark master);
+  ``compaction_s3_requests_alone_mb_per_s`` the same bytes over the time the merge's S3
+  requests take with nothing else to do (every input part read, its bytes written back as 4
+  parts): the ceiling the S3 server puts on the figure
 - compaction_mb_per_s_cluster: the same compaction (after one untimed warm-up compaction)
   with a second controller whose merges are Spark jobs (SHARDSINK_CONTROLLER_SPARK_MASTER,
   threshold 0) on a standalone cluster of 2 workers x 1 core started from the pyspark wheel;
@@ -201,6 +204,7 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     keys = {p.key for b in st.batches for p in b.parts}
     nbytes = sum(p.bytes for b in st.batches for p in b.parts)
     nrows = sum(p.rows for b in st.batches for p in b.parts)
+    io_s = s3_requests_alone(store, sorted(keys), nbytes)
     t0_ms = time.time() * 1000
     r = client.call("SetReadPolicy", {"collection_id": cid, "policy": ("io.shardsink.v1.LagWritesBy",
                                                                          {"lag": 0, "granularity": None})},
@@ -214,8 +218,35 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     done_ms = max(x.retired_ms for x in st.retired if x.key in keys)
     dt = (done_ms - t0_ms) / 1000.0
     mb = nbytes / 1e6
-    log(f"compaction {cid}: {mb:.1f} MB, {nrows} rows in {dt:.3f}s ({len(st.batches)} batches left)")
+    log(f"compaction {cid}: {mb:.1f} MB, {nrows} rows in {dt:.3f}s ({len(st.batches)} batches left); "
+        f"its S3 requests alone {io_s:.3f}s")
+    S3_ALONE_MB_PER_S[cid] = mb / io_s
     return mb / dt, nrows / dt
+
+
+#: MB/s of each compaction's S3 requests alone (:func:`s3_requests_alone`), by collection.
+S3_ALONE_MB_PER_S: dict[str, float] = {}
+
+
+def s3_requests_alone(store: object, keys: list[str], nbytes: int) -> float:
+    """Seconds the S3 requests of a merge take with no work between them: GET every input
+    part (8 threads, as the merge reads) and PUT a quarter of their bytes 4 times (the merge
+    writes its result as parts of at most 256k rows, in parallel); median of 3. The ceiling
+    the S3 server puts on ``compaction_mb_per_s``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blob = os.urandom(max(1, nbytes // 4))
+    times = []
+    for rep in range(3):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(store.get, keys))  # type: ignore[attr-defined]
+        junk = [f"bench-io/{uuid.uuid4().hex}-{i}" for i in range(4)]
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda k: store.put(k, blob, if_absent=True), junk))  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - t0)
+        store.delete_many(junk)  # type: ignore[attr-defined]
+    return statistics.median(times)
 
 
 def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> tuple[float, float]:
@@ -280,6 +311,7 @@ def main() -> int:
         "subscribe_lag_p50_s": round(p50, 4),
         "subscribe_lag_p99_s": round(p99, 4),
         "compaction_mb_per_s": round(comp, 2),
+        "compaction_s3_requests_alone_mb_per_s": round(S3_ALONE_MB_PER_S["compact"], 2),
         "compaction_rows_per_s": round(comp_rows),
         "compaction_rows": 20 * comp_n,
         "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),
