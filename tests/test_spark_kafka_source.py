@@ -354,3 +354,32 @@ def test_read_range_values_only_keeps_values_and_offsets_and_nulls_the_rest(stac
     assert all(r["key"] is not None and r["headers"] and r["timestamp"] is not None for r in full)
     assert all(r["key"] is None and r["headers"] is None and r["timestamp"] is None for r in lean)
     sk.close_pooled_consumers()
+
+
+def test_the_source_looks_a_topics_partitions_up_again_after_the_ttl(monkeypatch: Any) -> None:
+    """A topic's partition list is kept ``PARTITIONS_TTL_S`` (a metadata request per topic at
+    every trigger otherwise); partitions added meanwhile are seen after it; a topic that does
+    not exist yet is looked up at every call, so it is read as soon as it exists."""
+    from shared.errors import UnknownTopicError
+    from shared.io import spark_kafka
+    from shared.io.kafka import OffsetProbe
+
+    clock = frozen_monotonic(monkeypatch)
+    broker: dict[str, list[int]] = {"a": [0]}
+    asked: list[str] = []
+
+    def partitions_of(self: OffsetProbe, topic: str) -> list[int]:
+        asked.append(topic)
+        if topic not in broker:
+            raise UnknownTopicError(f"no {topic}", topic=topic)
+        return list(broker[topic])
+
+    monkeypatch.setattr(OffsetProbe, "partitions_of", partitions_of)
+    r = stream_reader("127.0.0.1:9", ("shardsink-kafka", spark_kafka.KafkaDataSource, {}), ["a", "b"])
+    assert (r._parts("a"), r._parts("b")) == ([0], [])
+    broker["a"], broker["b"] = [0, 1], [0]
+    clock[0] += spark_kafka.PARTITIONS_TTL_S / 2
+    assert (r._parts("a"), r._parts("b")) == ([0], [0])  # a: kept; b: asked again, exists now
+    clock[0] += spark_kafka.PARTITIONS_TTL_S / 2
+    assert r._parts("a") == [0, 1]
+    assert asked == ["a", "b", "b", "a"]
