@@ -4,6 +4,7 @@ minter's state and a counting stand-in for the shard)."""
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -131,3 +132,31 @@ def test_desired_ranges_are_read_only_when_a_description_can_be_minted(monkeypat
     batch({0: (0, 3)})
     batch({0: (3, 4)})
     assert len(reads) == before + 2 and not ro.unread
+
+
+def test_the_statements_the_source_found_are_taken_and_the_ranges_it_could_not_read_are_left_unread() -> None:
+    """Mint's driver takes each desired range's latest progress statement from the
+    micro-batch's logged offsets (``take_planned_progress``): a statement inside the range is
+    absorbed, one below it (carried from an earlier range) means the range holds none, a
+    partition without an entry (the source could not read it) is noted unread for the driver
+    to read, and a statement past an unread range makes it moot."""
+    from services.mint.source import planned_progress
+
+    settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs")
+    state = MintState("s", epoch=1, partition_count=3, as_of=0, read_only=False, nonce="n")
+    m = mint.SinkMinter(SinkDef("s", "desired", "c"), settings, CountingShard(upper=0), state, Producer())  # type: ignore[arg-type]
+    p0, p2 = b"progress-0", b"progress-2"
+    offsets = {"desired": {"0": 50, "1": 40, "2": 30}, "frontiers": {"0": 3},
+               "@progress": {"0": [44, base64.b64encode(p0).decode()], "2": [7, base64.b64encode(p2).decode()]}}
+    known = planned_progress(offsets)
+    planned = [("desired", 0, 20, 50), ("desired", 1, 10, 40), ("desired", 2, 10, 30), ("frontiers", 0, 2, 3)]
+    assert m.take_planned_progress(planned, known) == [(0, 44, p0)]
+    assert m.unread == {1: (10, 40)}  # partition 1: no entry, the driver reads it when it can matter
+    # The next micro-batch: partition 1's statement found by the source, past the unread range.
+    known = planned_progress({"@progress": {"1": [45, base64.b64encode(b"p1").decode()], "0": [-1, None]}})
+    assert m.take_planned_progress([("desired", 1, 40, 46), ("desired", 0, 50, 60)], known) == [(1, 45, b"p1")]
+    assert m.unread == {}
+    # A statement below an unread range's end does not make it moot.
+    m.note_unread(2, 30, 35)
+    m.note_read(2, 33)
+    assert m.unread == {2: (30, 35)}

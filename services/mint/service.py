@@ -44,7 +44,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -94,6 +94,27 @@ class SinkMinter:
         """A micro-batch planned ``[start, end)`` of a desired partition."""
         old = self.unread.get(partition)
         self.unread[partition] = (start if old is None else min(old[0], start), end if old is None else max(old[1], end))
+
+    def take_planned_progress(
+        self, planned: Sequence[tuple[str, int, int, int]], known: Mapping[int, tuple[int, bytes] | None]
+    ) -> list[tuple[int, int, bytes]]:
+        """Of a micro-batch's ``planned`` ranges, the desired partitions' latest progress
+        statements that the source found while planning (``known``:
+        :func:`services.mint.source.planned_progress`), as ``(partition, offset, value)``; a
+        desired range without an entry is noted unread (the driver reads it when it can
+        matter), one whose latest statement is below it holds none."""
+        statements: list[tuple[int, int, bytes]] = []
+        for t, p, lo, hi in planned:
+            if t != self.sink.desired_topic:
+                continue
+            if p not in known:
+                self.note_unread(p, lo, hi)
+                continue
+            found = known[p]
+            if found is not None and found[0] >= lo:
+                statements.append((p, found[0], found[1]))
+                self.note_read(p, found[0])
+        return statements
 
     def note_read(self, partition: int, offset: int) -> None:
         """The latest progress statement of a desired partition up to ``offset`` is known: an
@@ -225,18 +246,8 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
             # The source found each desired range's latest progress statement while planning
             # (services/mint/source.py): take it from the logged offsets; a range it could not
             # read is read here, when it can matter.
-            known = planned_progress(planned_offsets(states.files, batch_id))
-            statements = []
-            for t, p, lo, hi in planned:
-                if t != desired_topic:
-                    continue
-                if p not in known:
-                    minter.note_unread(p, lo, hi)
-                    continue
-                found = known[p]
-                if found is not None and found[0] >= lo:
-                    statements.append((p, *found))
-                    minter.note_read(p, found[0])
+            statements = minter.take_planned_progress(
+                planned, planned_progress(planned_offsets(states.files, batch_id)))
             raw = read_ranges(settings.kafka, [r for r in planned if r[0] != desired_topic])
             if statements:
                 raw = pa.concat_tables([raw, pa.table({
