@@ -187,8 +187,9 @@ def bench_subscribe_lag(stack: EmbeddedStack, client: ControllerClient, store: o
 
 
 def bench_compaction(client: ControllerClient, store: object, batches: int, rows: int,
-                     cid: str = "compact") -> tuple[float, float]:
-    """(MB/s, rows/s) of merging ``batches`` batches of ``rows`` rows below a moved since."""
+                     cid: str = "compact", *, s3_alone: bool = False) -> tuple[float, float, float | None]:
+    """(MB/s, rows/s) of merging ``batches`` batches of ``rows`` rows below a moved since, and
+    with ``s3_alone`` the MB/s of the merge's S3 requests alone (:func:`s3_requests_alone`)."""
     create(client, cid)
     shard = Shard(store, cid)  # type: ignore[arg-type]
     for i in range(batches):
@@ -204,7 +205,7 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     keys = {p.key for b in st.batches for p in b.parts}
     nbytes = sum(p.bytes for b in st.batches for p in b.parts)
     nrows = sum(p.rows for b in st.batches for p in b.parts)
-    io_s = s3_requests_alone(store, sorted(keys), nbytes)
+    io_s = s3_requests_alone(store, sorted(keys), nbytes) if s3_alone else None
     t0_ms = time.time() * 1000
     r = client.call("SetReadPolicy", {"collection_id": cid, "policy": ("io.shardsink.v1.LagWritesBy",
                                                                          {"lag": 0, "granularity": None})},
@@ -218,14 +219,9 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     done_ms = max(x.retired_ms for x in st.retired if x.key in keys)
     dt = (done_ms - t0_ms) / 1000.0
     mb = nbytes / 1e6
-    log(f"compaction {cid}: {mb:.1f} MB, {nrows} rows in {dt:.3f}s ({len(st.batches)} batches left); "
-        f"its S3 requests alone {io_s:.3f}s")
-    S3_ALONE_MB_PER_S[cid] = mb / io_s
-    return mb / dt, nrows / dt
-
-
-#: MB/s of each compaction's S3 requests alone (:func:`s3_requests_alone`), by collection.
-S3_ALONE_MB_PER_S: dict[str, float] = {}
+    log(f"compaction {cid}: {mb:.1f} MB, {nrows} rows in {dt:.3f}s ({len(st.batches)} batches left)"
+        + ("" if io_s is None else f"; its S3 requests alone {io_s:.3f}s"))
+    return mb / dt, nrows / dt, None if io_s is None else mb / io_s
 
 
 def s3_requests_alone(store: object, keys: list[str], nbytes: int) -> float:
@@ -249,7 +245,7 @@ def s3_requests_alone(store: object, keys: list[str], nbytes: int) -> float:
     return statistics.median(times)
 
 
-def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> tuple[float, float]:
+def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> float:
     """The compaction as a Spark job on a standalone cluster of 2 workers x 1 core."""
     from dataclasses import replace
 
@@ -267,7 +263,7 @@ def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> t
         client = ControllerClient(svc.kafka, commands_topic=cs.commands_topic, responses_topic=cs.responses_topic)
         try:
             bench_compaction(client, svc.store(), batches, max(rows // 10, 1), "warm-up")
-            out = bench_compaction(client, svc.store(), batches, rows, "compact-cluster")
+            out = bench_compaction(client, svc.store(), batches, rows, "compact-cluster")[0]
             assert controller.spark_jobs is not None
             jobs = dict(controller.spark_jobs.jobs)
             log(f"controller jobs on the cluster: {jobs}")
@@ -299,11 +295,11 @@ def main() -> int:
         try:
             peek_s = bench_peek(client, store, peek_rows)
             p50, p99 = bench_subscribe_lag(stack, client, store, lag_n)
-            comp, comp_rows = bench_compaction(client, store, 20, comp_n)
+            comp, comp_rows, comp_s3 = bench_compaction(client, store, 20, comp_n, s3_alone=True)
         finally:
             controller.stop()
             client.close()
-        comp_cluster = None if args.no_cluster else bench_compaction_cluster(stack, 20, comp_n)[0]
+        comp_cluster = None if args.no_cluster else bench_compaction_cluster(stack, 20, comp_n)
         spark_read_s = bench_spark_read(svc, peek_rows)
     out = {
         "peek_1m_rows_s": round(peek_s, 3),
@@ -311,7 +307,7 @@ def main() -> int:
         "subscribe_lag_p50_s": round(p50, 4),
         "subscribe_lag_p99_s": round(p99, 4),
         "compaction_mb_per_s": round(comp, 2),
-        "compaction_s3_requests_alone_mb_per_s": round(S3_ALONE_MB_PER_S["compact"], 2),
+        "compaction_s3_requests_alone_mb_per_s": None if comp_s3 is None else round(comp_s3, 2),
         "compaction_rows_per_s": round(comp_rows),
         "compaction_rows": 20 * comp_n,
         "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),

@@ -497,16 +497,19 @@ def collect_decoded(
     return table
 
 
-def planned_ranges(files: Any, batch_id: int) -> list[tuple[str, int, int, int]] | None:
+def planned_ranges(
+    files: Any, batch_id: int, end: Mapping[str, Any] | None = None
+) -> list[tuple[str, int, int, int]] | None:
     """``(topic, partition, start, end)`` of micro-batch ``batch_id`` of a query reading
-    ``shardsink-kafka``, from the offsets Spark logged for the batch and the one before it
-    (``files``: the query's :class:`services.driver_state.CheckpointFiles`). None when the log
-    does not hold both (the first batch of a checkpoint starts at the source's initial
-    offsets, which Spark does not log): read the batch's DataFrame then."""
+    ``shardsink-kafka``, from the offsets Spark logged for the batch (``end``, when the caller
+    read them already) and the one before it (``files``: the query's
+    :class:`services.driver_state.CheckpointFiles`). None when the log does not hold both (the
+    first batch of a checkpoint starts at the source's initial offsets, which Spark does not
+    log): read the batch's DataFrame then."""
     from services.driver_state import planned_offsets
     from shared.io.spark_kafka import offsets_from_json, pending
 
-    end = planned_offsets(files, batch_id)
+    end = end if end is not None else planned_offsets(files, batch_id)
     start = planned_offsets(files, batch_id - 1) if batch_id > 0 else None
     if end is None or start is None:
         return None
@@ -565,9 +568,20 @@ def read_latest_progress(
     start of a range mint left unread for long). A producer that breaks the contract with a
     statement below an earlier one in the same range can only make mint's frontier lag until
     the next statement: minting less is always safe."""
+    windows = _tail_windows(kafka, topic, partition, start, end, skip_prefix)
+    if not windows:
+        return _empty_raw()
+    return pa.concat_tables([raw for raw, _ in reversed(windows)])
+
+
+def _tail_windows(
+    kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
+) -> list[tuple[pa.Table, pa.Table]]:
+    """The windows of :func:`read_latest_progress`, raw and decoded, in the order read (from
+    the end back): only the last one read can hold a progress statement."""
     from shared.io.spark_kafka import read_range
 
-    windows: list[pa.Table] = []
+    windows: list[tuple[pa.Table, pa.Table]] = []
     hi, size = end, LATEST_PROGRESS_WINDOW
     while hi > start:
         lo = max(start, hi - size)
@@ -576,14 +590,12 @@ def read_latest_progress(
                                    fail_on_data_loss=False)]
         if got:
             window = pa.Table.from_batches(got)
-            windows.append(window)
             decoded = decode_on_driver(window, topic, progress_only=True)
+            windows.append((window, decoded))
             if decoded.num_rows and KIND_PROGRESS in decoded["kind"].to_pylist():
                 break
         hi, size = lo, size * 4
-    if not windows:
-        return _empty_raw()
-    return pa.concat_tables(list(reversed(windows)))
+    return windows
 
 
 def latest_progress_record(
@@ -591,10 +603,10 @@ def latest_progress_record(
 ) -> tuple[int, bytes] | None:
     """The offset and value of the latest progress statement of ``topic``/``partition`` in
     ``[start, end)`` (:func:`read_latest_progress`), None when the range holds none."""
-    raw = read_latest_progress(kafka, topic, partition, start, end, skip_prefix)
-    if raw.num_rows == 0:
+    windows = _tail_windows(kafka, topic, partition, start, end, skip_prefix)
+    if not windows:
         return None
-    decoded = decode_on_driver(raw, topic, progress_only=True)
+    raw, decoded = windows[-1]  # the windows read before it hold no statement
     offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
                if k == KIND_PROGRESS]
     if not offsets:

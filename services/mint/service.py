@@ -241,13 +241,13 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         return decode_on_driver(raw, desired_topic, progress_only=True)
 
     def each(batch_df: Any, batch_id: int) -> None:
-        planned = planned_ranges(states.files, batch_id) if ours else None
+        logged = planned_offsets(states.files, batch_id) if ours else None
+        planned = planned_ranges(states.files, batch_id, logged) if logged is not None else None
         if planned is not None:
             # The source found each desired range's latest progress statement while planning
             # (services/mint/source.py): take it from the logged offsets; a range it could not
             # read is read here, when it can matter.
-            statements = minter.take_planned_progress(
-                planned, planned_progress(planned_offsets(states.files, batch_id)))
+            statements = minter.take_planned_progress(planned, planned_progress(logged))
             raw = read_ranges(settings.kafka, [r for r in planned if r[0] != desired_topic])
             if statements:
                 raw = pa.concat_tables([raw, pa.table({
