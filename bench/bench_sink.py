@@ -282,7 +282,8 @@ def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
         s3.put_object(Bucket=bucket, Key=f"{prefix}/batch-{batch_id:08d}.parquet", Body=buf.getvalue())
         out.write(json.dumps({"batch": batch_id, "rows": table.num_rows, "t": time.time()}) + "\n")
 
-    df = kafka_read_stream(spark, settings.kafka, [topic], starting_offsets="earliest")
+    df = kafka_read_stream(spark, settings.kafka, [topic], starting_offsets="earliest",
+                           wait_for_records_ms=settings.source_wait_ms)
     q = (
         df.writeStream.foreachBatch(each)
         .option("checkpointLocation", os.path.join(settings.checkpoint_dir, "baseline", uuid.uuid4().hex[:8]))

@@ -19,6 +19,7 @@ SHARDSINK_TOPIC_DESCS          --descs-topic           descs
 SHARDSINK_TOPIC_BATCHES        --batches-topic         batches
 SHARDSINK_TOPIC_FRONTIERS      --frontiers-topic       frontiers
 SHARDSINK_TRIGGER_MS           --trigger-ms            100
+SHARDSINK_SOURCE_WAIT_MS       --source-wait-ms        500 (a trigger that finds nothing waits up to this for a record)
 SHARDSINK_CATALOG_POLL_MS      --catalog-poll-ms       1000
 SHARDSINK_SPARK_MASTER         --master                local[2] (ignored under spark-submit)
 SHARDSINK_STAGED_GRACE_MS      --grace-ms              600000
@@ -77,6 +78,7 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_TOPIC_COMMANDS": "controller commands topic",
     "SHARDSINK_TOPIC_RESPONSES": "controller responses topic",
     "SHARDSINK_TRIGGER_MS": "micro-batch trigger interval",
+    "SHARDSINK_SOURCE_WAIT_MS": "how long a trigger that finds nothing new waits for a record",
     "SHARDSINK_CATALOG_POLL_MS": "how often services re-read the catalog",
     "SHARDSINK_SPARK_MASTER": "Spark master when not under spark-submit",
     "SHARDSINK_CONTROLLER_SPARK_MASTER": "Spark master of the controller's data-heavy jobs ('': in-process)",
@@ -228,6 +230,10 @@ class ServiceSettings:
     batches_topic: str = "batches"
     frontiers_topic: str = "frontiers"
     trigger_ms: int = 100
+    #: A sink query's trigger that finds no record to read waits up to this long for one (the
+    #: Kafka source's ``waitForRecordsMs``): a micro-batch starts milliseconds after the record
+    #: that calls for it, instead of at the next trigger. 0: each trigger looks once.
+    source_wait_ms: int = 500
     catalog_poll_ms: int = 1000
     spark_master: str = "local[2]"
     grace_ms: int = 600_000
@@ -246,9 +252,10 @@ class ServiceSettings:
     test_fail_on_row: str | None = None
 
     def __post_init__(self) -> None:
-        if self.trigger_ms < 0 or self.catalog_poll_ms <= 0:
+        if self.trigger_ms < 0 or self.catalog_poll_ms <= 0 or self.source_wait_ms < 0:
             raise ValueError(
-                f"expected trigger_ms >= 0 and catalog_poll_ms > 0, found {self.trigger_ms}, {self.catalog_poll_ms}"
+                f"expected trigger_ms >= 0, source_wait_ms >= 0 and catalog_poll_ms > 0, found "
+                f"{self.trigger_ms}, {self.source_wait_ms}, {self.catalog_poll_ms}"
             )
 
     @staticmethod
@@ -262,6 +269,7 @@ class ServiceSettings:
         p.add_argument("--batches-topic")
         p.add_argument("--frontiers-topic")
         p.add_argument("--trigger-ms", type=int)
+        p.add_argument("--source-wait-ms", type=int)
         p.add_argument("--catalog-poll-ms", type=int)
         p.add_argument("--master", help="Spark master for local runs (SHARDSINK_SPARK_MASTER)")
         p.add_argument("--grace-ms", type=int)
@@ -295,6 +303,7 @@ class ServiceSettings:
             batches_topic=pick("batches_topic", "SHARDSINK_TOPIC_BATCHES", "batches"),
             frontiers_topic=pick("frontiers_topic", "SHARDSINK_TOPIC_FRONTIERS", "frontiers"),
             trigger_ms=int(pick("trigger_ms", "SHARDSINK_TRIGGER_MS", "100")),
+            source_wait_ms=int(pick("source_wait_ms", "SHARDSINK_SOURCE_WAIT_MS", "500")),
             catalog_poll_ms=int(pick("catalog_poll_ms", "SHARDSINK_CATALOG_POLL_MS", "1000")),
             spark_master=pick("master", "SHARDSINK_SPARK_MASTER", "local[2]"),
             grace_ms=int(pick("grace_ms", "SHARDSINK_STAGED_GRACE_MS", "600000")),

@@ -202,7 +202,8 @@ def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, reg
 
     # Descriptions are held back until reports arrive (services/append/source.py).
     df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic],
-                           starting_offsets="earliest", source=append_source(settings.descs_topic))
+                           starting_offsets="earliest", source=append_source(settings.descs_topic),
+                           wait_for_records_ms=settings.source_wait_ms)
     ours = _connector(None) != "builtin"
 
     def each(batch_df: Any, batch_id: int) -> None:

@@ -229,6 +229,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         starting_offsets="earliest",
         skip_value_prefixes={sink.desired_topic: update_prefix},
         source=mint_source(sink.desired_topic, hold_file),
+        wait_for_records_ms=settings.source_wait_ms,
     )
     desired_topic = sink.desired_topic
     # Ours: the few records are read on the driver by the batch's logged offsets. The builtin

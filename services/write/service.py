@@ -1094,6 +1094,7 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
             sink.desired_topic, schema_json, partitions, quarantined, step=job,
             name=f"shardsink-write-{sink.sink_id}-{sink.epoch}",
         ),
+        wait_for_records_ms=settings.source_wait_ms,
     )
     sc = spark.sparkContext
 

@@ -39,6 +39,15 @@ to assume, that it saw the whole desired history (retention safety).
 starts with those bytes are dropped inside ``read()``, on the executor, before they become
 rows (their offsets still count as read). The mint service uses it to drop desired updates
 (it needs only progress statements) without shipping them through Spark.
+``waitForRecordsMs`` (default 0): a ``latestOffset`` that finds nothing to read waits up to
+this long for a record on the partitions whose records would make a micro-batch (at the ends
+it just found, :meth:`shared.io.kafka.OffsetProbe.await_records`: a fetch the broker holds
+until a record arrives), then looks again. A micro-batch then starts a few milliseconds after
+the record that calls for it instead of at the next trigger (on average half a trigger
+interval later, plus a look), and an idle query looks once per wait instead of once per
+trigger. Spark's trigger loop goes on at once after a look that took longer than its
+interval, so the trigger interval then only bounds how often micro-batches start back to
+back. No wait at an ``availableNow`` trigger.
 ``simulatedLowWatermarksFile`` (tests only): a JSON file ``{topic: {partition: offset}}``
 read at every micro-batch; the source treats those offsets as the partitions' low watermarks
 (as if retention had deleted the records below them), because the embedded broker (Tansu)
@@ -294,7 +303,7 @@ def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
     raise KafkaConfigError(f"expected option {key!r} to be true or false, found {v!r}")
 
 
-def _int(options: Mapping[str, str], key: str, default: int | None) -> int | None:
+def _int(options: Mapping[str, str], key: str, default: int | None, least: int = 1) -> int | None:
     v = options.get(key)
     if v is None:
         return default
@@ -302,8 +311,8 @@ def _int(options: Mapping[str, str], key: str, default: int | None) -> int | Non
         n = int(v)
     except ValueError as e:
         raise KafkaConfigError(f"expected option {key!r} to be an integer, found {v!r}") from e
-    if n < 1:
-        raise KafkaConfigError(f"expected option {key!r} >= 1, found {n}")
+    if n < least:
+        raise KafkaConfigError(f"expected option {key!r} >= {least}, found {n}")
     return n
 
 
@@ -325,6 +334,9 @@ class SourceOptions:
     #: A micro-batch's ranges are packed into tasks of at least this many records (one task per
     #: topic-partition at most): a task costs a Python worker round trip whatever it reads.
     min_records_per_task: int = 10_000
+    #: ``latestOffset`` that finds nothing to read waits up to this long for a record (0: answers
+    #: at once); see the module docstring.
+    wait_for_records_ms: int = 0
 
     @staticmethod
     def parse(options: Mapping[str, str]) -> SourceOptions:
@@ -352,6 +364,7 @@ class SourceOptions:
             simulated_low_watermarks_file=low.get("simulatedlowwatermarksfile") or None,
             skip_value_prefixes=_parse_prefixes(str(low.get("skipvalueprefixes", ""))),
             min_records_per_task=_int(low, "minrecordspertask", 10_000) or 10_000,
+            wait_for_records_ms=_int(low, "waitforrecordsms", 0, least=0) or 0,
         )
 
     def skip_prefix(self, topic: str) -> bytes | None:
@@ -464,9 +477,12 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None  # availableNow: do not read beyond this
         self._latest: Offsets | None = None
         self._partitions: dict[str, tuple[float, list[int]]] = {}
+        #: Ends learned while waiting for records (:meth:`latestOffset`): an end only grows.
+        self._learned: dict[tuple[str, int], int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {}}
+        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {},
+                "_learned": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -500,7 +516,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ends = self._p().ends(tps)
         out: Offsets = {t: {} for t in self.options.topics}
         for (t, p), e in ends.items():
-            out[t][p] = e
+            out[t][p] = max(e, self._learned.get((t, p), 0))
         return out
 
     def initialOffset(self) -> dict[str, Any]:
@@ -562,7 +578,30 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        return offsets_to_json(self._end(offsets_from_json(start), limit))
+        s = offsets_from_json(start)
+        end = self.next_end(s, limit)
+        wait_s = self.wait_budget()
+        if wait_s > 0 and not pending(s, end):
+            learned = self._p().await_records(self.watched(), wait_s)
+            if learned:
+                for tp, e in learned.items():
+                    self._learned[tp] = max(e, self._learned.get(tp, 0))
+                end = self.next_end(s, limit)
+        return offsets_to_json(end)
+
+    def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:
+        """The end of the next micro-batch from ``s`` (``s`` itself: no micro-batch yet)."""
+        return self._end(s, limit)
+
+    def wait_budget(self) -> float:
+        """How long ``latestOffset`` may wait for a record when it finds nothing to read."""
+        if self._target is not None:
+            return 0.0  # availableNow: the query stops at its target instead
+        return self.options.wait_for_records_ms / 1000.0
+
+    def watched(self) -> dict[tuple[str, int], int]:
+        """The partitions whose next record makes a micro-batch, at the ends last seen."""
+        return {(t, p): e for t, ps in (self._latest or {}).items() for p, e in ps.items()}
 
     def _end(self, s: Offsets, limit: ReadLimit) -> Offsets:
         """The end of the next micro-batch from ``s``: every record there is (up to the
@@ -1073,7 +1112,9 @@ class HoldingStreamReader(KafkaStreamReader):
     micro-batch), while :meth:`holding` says no, when :meth:`admits` says so, at an
     availableNow trigger, and at least every :data:`ADMIT_EVERY_S`; otherwise the held topic
     keeps the offsets of ``start``. Holding only ever delays records: the next admitted
-    micro-batch covers every held one. The first call (a start or a restart) admits."""
+    micro-batch covers every held one. The first call (a start or a restart) admits. With
+    ``waitForRecordsMs``, a holding reader waits for a record of the other topics only, and
+    never past the time the held topic is admitted anyway."""
 
     admit_every_s: ClassVar[float] = ADMIT_EVERY_S
 
@@ -1098,15 +1139,24 @@ class HoldingStreamReader(KafkaStreamReader):
         s = start.get(self.held, {})
         return sum(max(0, e - s.get(p, 0)) for p, e in (self._latest or {}).get(self.held, {}).items())
 
-    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        s = offsets_from_json(start)
+    def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:
         end = self._end(s, limit)
         now = time.monotonic()
         if (self._target is not None or not self.holding() or now - self._admitted >= self.admit_every_s
                 or news_beside(s, end, self.held) or self.admits(s, limit)):
             self._admitted = now
-            return offsets_to_json(end)
-        return offsets_to_json(held_back(s, end, self.held))
+            return end
+        return held_back(s, end, self.held)
+
+    def wait_budget(self) -> float:
+        """Never past the time the held topic is admitted anyway."""
+        left = self.admit_every_s - (time.monotonic() - self._admitted)
+        return max(0.0, min(super().wait_budget(), left))
+
+    def watched(self) -> dict[tuple[str, int], int]:
+        """While holding, only the other topics: a held record alone makes no micro-batch."""
+        w = super().watched()
+        return {tp: e for tp, e in w.items() if tp[0] != self.held} if self.holding() else w
 
 
 class KafkaDataSource(DataSource):
@@ -1223,6 +1273,7 @@ def kafka_read_stream(
     simulated_low_watermarks_file: str | None = None,
     skip_value_prefixes: Mapping[str, bytes] | None = None,
     source: tuple[str, Any, Mapping[str, str]] | None = None,
+    wait_for_records_ms: int = 0,
 ) -> DataFrame:
     """A streaming DataFrame of Kafka records (columns as in the module docstring).
 
@@ -1265,6 +1316,8 @@ def kafka_read_stream(
         r = r.option("simulatedLowWatermarksFile", simulated_low_watermarks_file)
     if skip_value_prefixes:
         r = r.option("skipValuePrefixes", ",".join(f"{t}={p.hex()}" for t, p in skip_value_prefixes.items()))
+    if wait_for_records_ms:
+        r = r.option("waitForRecordsMs", str(wait_for_records_ms))
     return r.load()
 
 
