@@ -14,8 +14,8 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   the first produce until the shard's upper passes the last progress.
 - ``baseline_updates_per_s``: the same measurement for plain Spark Structured Streaming on
   the same desired topic, in the same run: our Kafka source
-  (``shared.io.spark_kafka.kafka_read_stream``), same Spark settings and trigger as the
-  services, and a ``foreachBatch`` that converts the micro-batch with ``toArrow()`` and PUTs
+  (``shared.io.spark_kafka.kafka_read_stream``), same Spark settings, trigger and wait for
+  records (``SHARDSINK_SOURCE_WAIT_MS``) as the services, and a ``foreachBatch`` that converts the micro-batch with ``toArrow()`` and PUTs
   it as one Parquet object with boto3 to the same S3 server (the pyspark wheel has no
   hadoop-aws, so ``df.write.parquet("s3a://...")`` is not available). Raw records, no decode,
   no correction, no compare-and-append. Done when every record produced (updates and
