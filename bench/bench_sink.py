@@ -15,10 +15,11 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 - ``baseline_updates_per_s``: the same measurement for plain Spark Structured Streaming on
   the same desired topic, in the same run: our Kafka source
   (``shared.io.spark_kafka.kafka_read_stream``), same Spark settings, trigger and wait for
-  records (``SHARDSINK_SOURCE_WAIT_MS``) as the services, and a ``foreachBatch`` that converts the micro-batch with ``toArrow()`` and PUTs
-  it as one Parquet object with boto3 to the same S3 server (the pyspark wheel has no
-  hadoop-aws, so ``df.write.parquet("s3a://...")`` is not available). Raw records, no decode,
-  no correction, no compare-and-append. Done when every record produced (updates and
+  records (``SHARDSINK_SOURCE_WAIT_MS``) as the services, and a ``foreachBatch`` that
+  converts the micro-batch with ``toArrow()`` and PUTs it as one Parquet object with boto3
+  to the same S3 server (the pyspark wheel has no hadoop-aws, so
+  ``df.write.parquet("s3a://...")`` is not available). Raw records, no decode, no correction,
+  no compare-and-append. Done when every record produced (updates and
   progress) is in a Parquet object.
 - ``freshness_p50_s`` / ``freshness_p99_s``: at a steady ~10k updates/s (a progress step
   every 0.5 s), per step the time from ``advance_to`` returning until the shard's upper

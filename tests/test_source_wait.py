@@ -121,6 +121,9 @@ def test_await_records_reports_the_ends_it_fetched(stack: EmbeddedStack, unique_
         learned = probe.await_records({(topic, 0): 2}, 20.0)
         th.join()
         assert learned == {(topic, 0): 5}  # one flush: one batch, its end from the fetch
+        # The probe's ends take what the fetch saw: no fetch of the last batch again.
+        assert probe.ends([(topic, 0)]) == {(topic, 0): 5}
+        assert probe.last_probed == 0
         assert probe.await_records({(topic, 0): 1}, 20.0) == {(topic, 0): 5}  # records already there
 
 

@@ -267,6 +267,11 @@ def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -
 
 #: How long the broker holds a fetch of :meth:`OffsetProbe.await_records` that finds no record.
 WATCH_FETCH_WAIT_MS = 100
+#: The probe's consumer: fetches the partitions' last batches and answers at their end.
+_PROBE_CONSUMER = {"enable.partition.eof": "true", "auto.offset.reset": "error", "fetch.wait.max.ms": "10"}
+#: The watcher's consumer (:meth:`OffsetProbe.await_records`): fetches wait at the broker.
+_WATCH_CONSUMER = {"enable.partition.eof": "false", "auto.offset.reset": "latest",
+                   "fetch.wait.max.ms": str(WATCH_FETCH_WAIT_MS)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,20 +296,15 @@ class OffsetProbe:
     _admin: AdminClient | None = field(default=None, init=False, repr=False)
     _watcher: Consumer | None = field(default=None, init=False, repr=False)
     _ends: dict[tuple[str, int], PartitionEnd] = field(default_factory=dict, init=False, repr=False)
+    #: Ends that fetches of :meth:`await_records` saw (true ends when fetched; an end only grows).
+    _fetched: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
     #: Number of partitions fetched by the last probe (for tests and benchmarks).
     last_probed: int = field(default=0, init=False)
 
     # -- clients -------------------------------------------------------------------------------
     def _c(self) -> Consumer:
         if self._consumer is None:
-            self._consumer = new_consumer(
-                self.settings,
-                **{
-                    "enable.partition.eof": "true",
-                    "auto.offset.reset": "error",
-                    "fetch.wait.max.ms": "10",
-                },
-            )
+            self._consumer = new_consumer(self.settings, **_PROBE_CONSUMER)
         return self._consumer
 
     def _a(self) -> AdminClient:
@@ -317,14 +317,7 @@ class OffsetProbe:
 
     def _w(self) -> Consumer:
         if self._watcher is None:
-            self._watcher = new_consumer(
-                self.settings,
-                **{
-                    "enable.partition.eof": "false",
-                    "auto.offset.reset": "latest",
-                    "fetch.wait.max.ms": str(WATCH_FETCH_WAIT_MS),
-                },
-            )
+            self._watcher = new_consumer(self.settings, **_WATCH_CONSUMER)
         return self._watcher
 
     def close(self) -> None:
@@ -391,18 +384,23 @@ class OffsetProbe:
         return {p: ends[(topic, p)] for p in parts}
 
     def ends(self, tps: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
-        """The true ends of the given partitions (probing only those whose watermark moved)."""
+        """The true ends of the given partitions, probing only those whose watermark moved
+        past what a fetch of :meth:`await_records` already saw (a watermark at or below an end
+        a fetch saw means no batch began after that fetch: that end is still the true one)."""
         tps = list(tps)
         wms = self.watermarks(tps)
         out: dict[tuple[str, int], int] = {}
         to_probe: dict[tuple[str, int], int] = {}
         for tp in tps:
-            wm = wms[tp]
+            wm, seen = wms[tp], self._fetched.get(tp, 0)
             cached = self._ends.get(tp)
             if cached is not None and cached.watermark == wm:
-                out[tp] = cached.end
+                out[tp] = max(cached.end, seen)
             elif wm <= 0:
-                out[tp] = 0
+                out[tp] = seen
+            elif seen >= wm:
+                self._ends[tp] = PartitionEnd(wm, seen)
+                out[tp] = seen
             else:
                 to_probe[tp] = wm
         self.last_probed = len(to_probe)
@@ -419,7 +417,9 @@ class OffsetProbe:
     def await_records(self, positions: Mapping[tuple[str, int], int], timeout_s: float) -> dict[tuple[str, int], int]:
         """Wait up to ``timeout_s`` for a record at or past ``positions`` (next offsets) on any
         of those partitions. Returns what the fetch taught about their ends (past each record
-        fetched, or the fetch response's high watermark), empty when no record came in time.
+        fetched, or the fetch response's high watermark), empty when no record came in time;
+        :meth:`ends` remembers them (it answers no less, and probes no partition whose
+        watermark they cover).
 
         The watcher's fetches wait at the broker (``fetch.wait.max.ms``,
         :data:`WATCH_FETCH_WAIT_MS`) until a record arrives: measured on the embedded broker,
@@ -448,6 +448,7 @@ class OffsetProbe:
             for tp in out:
                 _, hw = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
                 out[tp] = max(out[tp], int(hw))
+                self._fetched[tp] = max(out[tp], self._fetched.get(tp, 0))
             return out
         except KafkaException as e:
             raise translate(e, f"waiting for records on {sorted(positions)}") from e

@@ -477,12 +477,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None  # availableNow: do not read beyond this
         self._latest: Offsets | None = None
         self._partitions: dict[str, tuple[float, list[int]]] = {}
-        #: Ends learned while waiting for records (:meth:`latestOffset`): an end only grows.
-        self._learned: dict[tuple[str, int], int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {},
-                "_learned": {}}
+        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -516,7 +513,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ends = self._p().ends(tps)
         out: Offsets = {t: {} for t in self.options.topics}
         for (t, p), e in ends.items():
-            out[t][p] = max(e, self._learned.get((t, p), 0))
+            out[t][p] = e
         return out
 
     def initialOffset(self) -> dict[str, Any]:
@@ -581,12 +578,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         s = offsets_from_json(start)
         end = self.next_end(s, limit)
         wait_s = self.wait_budget()
-        if wait_s > 0 and not pending(s, end):
-            learned = self._p().await_records(self.watched(), wait_s)
-            if learned:
-                for tp, e in learned.items():
-                    self._learned[tp] = max(e, self._learned.get(tp, 0))
-                end = self.next_end(s, limit)
+        if wait_s > 0 and not pending(s, end) and self._p().await_records(self.watched(), wait_s):
+            end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
         return offsets_to_json(end)
 
     def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:
