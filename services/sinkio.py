@@ -585,9 +585,10 @@ def _tail_windows(
     hi, size = end, LATEST_PROGRESS_WINDOW
     while hi > start:
         lo = max(start, hi - size)
+        # Values and offsets are all the decode needs: no keys, timestamps or headers built.
         got = [b.select(["topic", "partition", "offset", "value"])
                for b in read_range(kafka, topic, partition, lo, hi, skip_prefix=skip_prefix,
-                                   fail_on_data_loss=False)]
+                                   fail_on_data_loss=False, values_only=True)]
         if got:
             window = pa.Table.from_batches(got)
             decoded = decode_on_driver(window, topic, progress_only=True)

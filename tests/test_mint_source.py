@@ -2,10 +2,12 @@
 it (:mod:`services.mint.source`), against the real broker: ``latestOffset`` admits the desired
 records when the minter is not holding, together with an upper announcement on ``frontiers``,
 and at least every ``shared.io.spark_kafka.ADMIT_EVERY_S``; otherwise it keeps their offsets
-where they were, and the records stay for the next admitted micro-batch."""
+where they were, and the records stay for the next admitted micro-batch. Updates without a
+progress statement are held too, until a statement arrives (it ends a wait for records)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +61,91 @@ def test_the_desired_topic_is_held_while_the_minter_holds_and_admitted_with_news
     clock[0] += 0.5
     assert latest(start) == start
     clock[0] += ADMIT_EVERY_S  # a second without admission: admitted anyway
-    assert latest(start)[desired] == {"0": 3, "1": 3}
-    ms.write_hold(hold, False)  # not holding any more: admitted at once
+    end = latest(start)
+    assert end[desired] == {"0": 3, "1": 3}
+    start = end
+    ms.write_hold(hold, False)  # not holding any more: a statement is admitted at once
     produce(stack.bootstrap_servers, desired, [(1, b"g")])
     clock[0] += 0.1
-    assert latest(start)[desired] == {"0": 3, "1": 4}
+    assert latest(start) == start  # updates alone (no statement): mint has no use for them yet
+    produce(stack.bootstrap_servers, desired, [(0, progress_statement(5))])
+    clock[0] += 0.1
+    assert latest(start)[desired] == {"0": 4, "1": 4}
     r.stop()
+
+
+def progress_statement(t: int, partition: int = 0) -> bytes:
+    from shared.desired import encode_progress
+    from shared.frontier import Frontier
+
+    return encode_progress(partition, Frontier.at(t))
+
+
+def test_updates_without_a_statement_are_held_until_one_ends_the_wait_each_read_once(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not holding, the source still answers the start while the desired records it finds hold
+    no progress statement (each look reads only the records after the last one it read), waits
+    for the next records, and answers with the statement that ends the wait; news on
+    ``frontiers`` and a second without admission admit the updates anyway."""
+    import services.sinkio as sinkio
+    from tests.test_source_wait import Later
+
+    desired, frontiers = f"mint-q-{unique_id}", f"mint-qf-{unique_id}"
+    create_topic(stack.bootstrap_servers, desired, 1)
+    create_topic(stack.bootstrap_servers, frontiers, 1)
+    hold = tmp_path / "ck" / ms.HOLD_FILE
+    ms.write_hold(str(hold), False)
+    r = reader(stack, desired, frontiers, hold, waitForRecordsMs="20000")
+    reads: list[tuple[int, int]] = []
+    real = sinkio.latest_progress_record
+
+    def counted(settings: Any, topic: str, p: int, a: int, b: int, prefix: Any) -> Any:
+        reads.append((a, b))
+        return real(settings, topic, p, a, b, prefix)
+
+    monkeypatch.setattr(sinkio, "latest_progress_record", counted)
+    limit: Any = r.getDefaultReadLimit()
+    later = Later(stack.bootstrap_servers)
+    try:
+        start = r.initialOffset()
+        produce(stack.bootstrap_servers, desired, [(0, b"u1"), (0, b"u2")])
+        start = r.latestOffset(start, limit)  # the first look admits, as always
+        assert start[desired] == {"0": 2}
+        clock = frozen_monotonic(monkeypatch)  # from here on, no second passes unless the test says so
+        produce(stack.bootstrap_servers, desired, [(0, b"u3"), (0, b"u4")])
+        reads.clear()
+        # Updates only, and a statement produced while it waits: the answer holds both.
+        t = later.send(desired, [b"u5", progress_statement(3)], after_s=0.5)
+        end = r.latestOffset(start, limit)
+        t.join()
+        assert end[desired] == {"0": 6}
+        assert ms.planned_progress(end)[0] == (5, progress_statement(3))
+        # [2, 4) was read once without a statement; the look after the wait read from 4 on.
+        assert reads[0] == (2, 4) and all(a >= 4 for a, _ in reads[1:]), reads
+        start = end
+        # Updates only, nothing after them within the budget: the start again, each record
+        # read once whatever the number of looks.
+        produce(stack.bootstrap_servers, desired, [(0, b"u6"), (0, b"u7")])
+        r.options = dataclasses.replace(r.options, wait_for_records_ms=0)
+        reads.clear()
+        assert r.latestOffset(start, limit) == start
+        produce(stack.bootstrap_servers, desired, [(0, b"u8")])
+        assert r.latestOffset(start, limit) == start
+        assert reads == [(6, 8), (8, 9)], reads
+        # News on frontiers admits them.
+        produce(stack.bootstrap_servers, frontiers, [(0, b"upper")])
+        end = r.latestOffset(start, limit)
+        assert end[desired] == {"0": 9} and end[frontiers] == {"0": 1}
+        start = end
+        produce(stack.bootstrap_servers, desired, [(0, b"u9")])
+        assert r.latestOffset(start, limit) == start
+        clock[0] += ADMIT_EVERY_S  # a second without admission: admitted anyway
+        assert r.latestOffset(start, limit)[desired] == {"0": 10}
+    finally:
+        later.producer.flush(10)
+        r.stop()
+        close_pooled_consumers()
 
 
 def test_a_checkpoint_that_is_not_a_local_path_has_no_hold_and_admits_everything(
@@ -79,7 +160,10 @@ def test_a_checkpoint_that_is_not_a_local_path_has_no_hold_and_admits_everything
     start = r.initialOffset()
     produce(stack.bootstrap_servers, desired, [(0, b"a")])
     r.latestOffset(start, r.getDefaultReadLimit())  # the first call admits, as always
-    assert r.latestOffset(start, r.getDefaultReadLimit())[desired] == {"0": 1}
+    # Nothing says it holds: a statement is admitted at once, with the updates before it (with
+    # a hold file saying so, only news or a second without admission would admit it).
+    produce(stack.bootstrap_servers, desired, [(0, progress_statement(1))])
+    assert r.latestOffset(start, r.getDefaultReadLimit())[desired] == {"0": 2}
     r.stop()
 
 

@@ -25,6 +25,18 @@ micro-batch, so the minter's driver reads the statements there (:func:`planned_p
 instead of reading the desired topic itself: the driver coordinates, the source runner reads.
 A partition whose tail could not be read has no entry, and the minter reads that range itself.
 
+Desired records without a progress statement are held back too. A producer writes a step's
+updates and then its statement; the first records of a step would otherwise wake the query
+for a micro-batch that finds no statement and mints nothing, and the statement would wait for
+that micro-batch to end and for the next trigger (measured: about 1.5 mint micro-batches per
+description during a burst). So when no description is held and the admitted desired ranges
+hold no statement (their tails read to their starts, each record read once: a range read
+without a statement is remembered, and the next look reads only what came after it), with no
+news on ``frontiers``, ``latestOffset`` answers the start: no micro-batch. It admits them as
+soon as a statement arrives, with news, and at least every
+:data:`shared.io.spark_kafka.ADMIT_EVERY_S`; a tail it cannot read, a start or restart and an
+``availableNow`` trigger admit at once.
+
 Same options as ``shardsink-kafka``, plus ``shardsinkMintHold`` (JSON: the hold file and the
 desired topic). A checkpoint that is not a local path (``s3a://``) has no
 hold file: the source then admits everything, as the plain Kafka source does.
@@ -36,6 +48,7 @@ import base64
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -100,22 +113,48 @@ class MintStreamReader(HoldingStreamReader):
     def __init__(self, options: SourceOptions, hold: dict[str, Any]) -> None:
         super().__init__(options, held=hold["desired_topic"])
         self.hold = hold
+        #: when ``latestOffset`` last answered more than its start (None: never, it admits)
+        self._delivered: float | None = None
+        #: per desired partition, ``(start, end)``: a range read back to ``start`` without a
+        #: progress statement (the next look at a range from ``start`` reads from ``end`` on)
+        self._quiet: dict[int, tuple[int, int]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "hold": self.hold}
+        return {**super().__getstate__(), "hold": self.hold, "_delivered": None, "_quiet": {}}
 
     def holding(self) -> bool:
         return _holding(self.hold.get("file"))
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        end = super().latestOffset(start, limit)
-        progress = self.latest_progress(offsets_from_json(start), offsets_from_json(end), start.get(PROGRESS_KEY))
-        return {**end, PROGRESS_KEY: progress} if progress else end
+        s = offsets_from_json(start)
+        deadline = time.monotonic() + self.wait_budget()
+        while True:
+            end = super().latestOffset(start, limit)
+            e = offsets_from_json(end)
+            progress, found = self.latest_progress(s, e, start.get(PROGRESS_KEY))
+            if found or not self._nothing_to_mint(s, e):
+                self._delivered = time.monotonic()
+                return {**end, PROGRESS_KEY: progress} if progress else end
+            # Only updates so far: wait, as for the first record, for the ones after them.
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._p().await_records(self.watched(), left):
+                return start
+
+    def _nothing_to_mint(self, s: Mapping[str, Mapping[int, int]], e: Mapping[str, Mapping[int, int]]) -> bool:
+        """Whether ``e`` is ``s`` but for desired records without a statement, which mint has no
+        use for yet (module docstring)."""
+        if self._target is not None or self._delivered is None:
+            return False  # availableNow reaches its target; a start or restart admits
+        if time.monotonic() - self._delivered >= self.admit_every_s:
+            return False
+        topic = self.hold["desired_topic"]
+        return all(p in s.get(t, {}) and (t == topic or o <= s[t][p]) for t, ps in e.items() for p, o in ps.items())
 
     def latest_progress(self, start: Mapping[str, Mapping[int, int]], end: Mapping[str, Mapping[int, int]],
-                        carried: Any) -> dict[str, list[Any]]:
+                        carried: Any) -> tuple[dict[str, list[Any]], bool]:
         """The :data:`PROGRESS_KEY` annotation of ``end``: ``carried`` (``start``'s), updated
-        with the latest statement of each desired range ``[start, end)`` that is not empty."""
+        with the latest statement of each desired range ``[start, end)`` that is not empty; and
+        whether a range may hold a statement (one found, or a tail that could not be read)."""
         from services.sinkio import latest_progress_record
 
         topic = self.hold["desired_topic"]
@@ -123,10 +162,16 @@ class MintStreamReader(HoldingStreamReader):
         out: dict[str, list[Any]] = dict(carried) if isinstance(carried, Mapping) else {}
         ranges = [(p, start.get(topic, {}).get(p, 0), b) for p, b in sorted(end.get(topic, {}).items())]
         ranges = [(p, a, b) for p, a, b in ranges if b > a]
+        quiet = {p: q for p, q in self._quiet.items() if any(p == r[0] and q[0] == r[1] for r in ranges)}
 
         def one(r: tuple[int, int, int]) -> tuple[int, bytes] | None | ShardsinkError:
+            p, a, b = r
+            # [a, quiet end) was read without a statement: only what came after it can hold one.
+            a = max(a, min(b, quiet[p][1])) if p in quiet else a
+            if a >= b:
+                return None
             try:
-                return latest_progress_record(self.options.settings, topic, *r, prefix)
+                return latest_progress_record(self.options.settings, topic, p, a, b, prefix)
             except ShardsinkError as e:
                 return e
 
@@ -137,17 +182,23 @@ class MintStreamReader(HoldingStreamReader):
                 results = list(ex.map(one, ranges))
         else:
             results = [one(r) for r in ranges]
+        any_found = False
+        self._quiet = {}
         for (p, a, b), found in zip(ranges, results, strict=True):
             if isinstance(found, ShardsinkError):
                 # The minter reads the range itself (and meets the error there, typed).
                 log.warning("could not read the latest progress of %s/%d in [%d, %d): %s", topic, p, a, b, found)
                 out.pop(str(p), None)
+                any_found = True
                 continue
             if found is not None:
                 out[str(p)] = [found[0], base64.b64encode(found[1]).decode()]
-            elif str(p) not in out:
-                out[str(p)] = [-1, None]
-        return out
+                any_found = True
+            else:
+                self._quiet[p] = (a, b)
+                if str(p) not in out:
+                    out[str(p)] = [-1, None]
+        return out, any_found
 
 
 def planned_progress(offsets: Mapping[str, Any] | None) -> dict[int, tuple[int, bytes] | None]:
