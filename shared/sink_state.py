@@ -776,23 +776,18 @@ class WriteState:
     # -- checkpoint -------------------------------------------------------------------------
     def to_checkpoint(self) -> bytes:
         """The whole state as bytes (Arrow IPC: the buffers and staged batches as rows, the
-        frontiers and counters as schema metadata); :meth:`from_checkpoint` inverts it."""
+        frontiers and counters as schema metadata); :meth:`from_checkpoint` inverts it. Which
+        buffer a row belongs to (``which``) is a dictionary column: a staged batch's name is a
+        data object's key, as long as a row's key, and written once, not per row."""
         import json
 
-        tables: list[pa.Table] = []
+        names: list[str] = []
+        parts: list[ConsolidatedUpdates] = []
 
         def add(which: str, u: ConsolidatedUpdates) -> None:
             if len(u):
-                tables.append(
-                    pa.table(
-                        {
-                            "which": pa.array([which] * len(u), pa.string()),
-                            "key": u.keys,
-                            "time": pa.array(u.times, pa.uint64()),
-                            "diff": pa.array(u.diffs, pa.int64()),
-                        }
-                    )
-                )
+                names.append(which)
+                parts.append(u)
 
         add("c", self.correction.contents())
         add("e", self.errors.contents())
@@ -825,12 +820,27 @@ class WriteState:
             "staged": staged_meta,
             "key_schema": None if self.key_schema is None else self.key_schema.hex(),
         }
+        which_type = pa.dictionary(pa.int32(), pa.string())
         schema = pa.schema(
-            [("which", pa.string()), ("key", pa.binary()), ("time", pa.uint64()), ("diff", pa.int64())],
+            [("which", which_type), ("key", pa.binary()), ("time", pa.uint64()), ("diff", pa.int64())],
             metadata={b"shardsink.write_state": json.dumps(meta).encode()},
         )
-        table = pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
-        table = table.replace_schema_metadata(schema.metadata)
+        if parts:
+            lengths = np.array([len(u) for u in parts], dtype=np.int64)
+            which = pa.DictionaryArray.from_arrays(
+                pa.array(np.repeat(np.arange(len(parts), dtype=np.int32), lengths)), pa.array(names, pa.string()))
+            table = pa.Table.from_arrays(
+                [
+                    which,
+                    pa.chunked_array([u.keys if u.keys.type == pa.binary() else u.keys.cast(pa.binary()) for u in parts],
+                                    pa.binary()),
+                    pa.array(np.concatenate([np.asarray(u.times, dtype=np.uint64) for u in parts])),
+                    pa.array(np.concatenate([np.asarray(u.diffs, dtype=np.int64) for u in parts])),
+                ],
+                schema=schema,
+            )
+        else:
+            table = schema.empty_table()
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as w:
             w.write_table(table)

@@ -988,3 +988,59 @@ def test_simulation_reminted_descriptions_never_mix_batches(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_simulation_with_as_of_beyond_the_shard_upper(seed: int) -> None:
     simulate(500 + seed, as_of=6)
+
+
+# -- the write state's checkpoint ---------------------------------------------------------------
+
+
+def _write_state_with_everything() -> WriteState:
+    """A write state with a correction buffer, error rows and a staged batch of each."""
+    ws = WriteState("s", 1, 3)
+    ws.absorb_persist_snapshot(0, [b"old"], [1])
+    ws.absorb_desired_progress(0)
+    ws.absorb_desired_updates([b"a", b"b", b"c"], [2, 3, 12], [1, 2, -1])
+    ws.absorb_desired_error("bad row", 4)
+    ws.absorb_desired_progress(10)
+    desc = BatchDescription("s", Frontier.at(0), Frontier.at(10), 7, "tok", partition_count=3)
+    upd, errs = ws.correction.updates_before(10), ws.errors.updates_before(10)
+    ws.remember_staged(desc, ["shards/x/data/p-w1of3.parquet"], Stage(desc, 1, upd, errs))
+    return ws
+
+
+def _state_summary(ws: WriteState) -> tuple[Any, ...]:
+    staged = {sid: (str(up), u.to_list(), e.to_list()) for sid, (up, u, e) in ws._staged.items()}
+    return (ws.correction.contents().to_list(), ws.errors.contents().to_list(), staged,
+            dict(ws._staged_parts), str(ws.desired_frontier), str(ws.persist_frontier), ws.correction.since)
+
+
+def test_a_write_state_checkpoint_restores_every_buffer_and_staged_batch() -> None:
+    import pyarrow as pa
+
+    ws = _write_state_with_everything()
+    assert ws.correction.contents().to_list() and ws.errors.contents().to_list() and ws._staged
+    blob = ws.to_checkpoint()
+    restored = WriteState.from_checkpoint(blob)
+    assert _state_summary(restored) == _state_summary(ws)
+    # Which buffer a row belongs to is written once per buffer (a dictionary), not per row.
+    table = pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
+    assert pa.types.is_dictionary(table["which"].type)
+    assert sorted(table["which"].combine_chunks().dictionary.to_pylist()) == sorted(
+        ["c", "e"] + [f"{k}:{sid}" for sid in ws._staged for k in ("su", "se")])
+    # An empty state round-trips too.
+    empty = WriteState("s", 0, 3)
+    assert _state_summary(WriteState.from_checkpoint(empty.to_checkpoint())) == _state_summary(empty)
+
+
+def test_a_write_state_checkpoint_of_the_earlier_format_still_loads() -> None:
+    """Checkpoints written before ``which`` became a dictionary column (a string per row)
+    load as they are: a writer upgraded in place resumes from its checkpoint."""
+    import pyarrow as pa
+
+    ws = _write_state_with_everything()
+    table = pa.ipc.open_stream(pa.py_buffer(ws.to_checkpoint())).read_all()
+    old = table.set_column(0, pa.field("which", pa.string()), table["which"].cast(pa.string()))
+    old = old.replace_schema_metadata(table.schema.metadata)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, old.schema) as w:
+        w.write_table(old)
+    assert _state_summary(WriteState.from_checkpoint(sink.getvalue().to_pybytes())) == _state_summary(ws)
