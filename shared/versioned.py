@@ -10,7 +10,9 @@ Layout under ``prefix``::
     hint                               the seqno of a recent state
 
 Finding the head never LISTs the history: a handle caches the head it last saw; a fresh one
-reads the hint, then probes forward (HEAD n+1, n+2, n+4, ... then a binary search). Only when
+reads the hint, then probes forward (GET n+1, then HEAD n+2, n+4, ... then a binary search:
+the first probe is a GET because most refreshes find exactly one new state, whose body they
+need anyway, so they take two requests instead of three). Only when
 the hint is missing or points at a collected state does it LIST the (small, collected) state
 prefix.
 
@@ -135,6 +137,12 @@ class VersionedLog(Generic[S]):
         with self._lock:
             lo = self._start_seqno()
             step, hi = 1, None
+            fetched: tuple[int, bytes] | None = None
+            try:
+                fetched = (lo + 1, self.store.get(self.state_key(lo + 1)))
+                lo, step = lo + 1, 2
+            except ObjectNotFoundError:
+                hi = lo + 1
             while hi is None:
                 if self.store.exists(self.state_key(lo + step)):
                     lo += step
@@ -147,7 +155,12 @@ class VersionedLog(Generic[S]):
                     lo = mid
                 else:
                     hi = mid
-            state = self._head if self._head is not None and self._head.seqno == lo else self.get_state(lo)
+            if self._head is not None and self._head.seqno == lo:
+                state = self._head
+            elif fetched is not None and fetched[0] == lo:
+                state = self.decode(fetched[1])
+            else:
+                state = self.get_state(lo)
             self._head = None
             self.set_head(state)
             return state
