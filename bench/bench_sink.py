@@ -10,8 +10,11 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 - ``sink_updates_per_s``: sustained throughput, desired topic to committed shard. The
   services run warm (``python -m services``: the three queries in one Spark application, the
   embedded default) and in step; N updates (inserts and retractions over 3 partitions) are
-  produced in progress steps as fast as the producer goes; the figure is N over the time from
-  the first produce until the shard's upper passes the last progress.
+  produced in progress steps as fast as the producer goes; a burst's rate is N over the time
+  from its first produce until the shard's upper passes its last progress. The figure is the
+  median of ``--repeats`` bursts (default 3; each burst's rate in ``sink_updates_per_s_runs``):
+  on a 2-core machine shared with the producer, one burst's rate moves by a quarter from one
+  burst to the next.
 - ``baseline_updates_per_s``: the same measurement for plain Spark Structured Streaming on
   the same desired topic, in the same run: our Kafka source
   (``shared.io.spark_kafka.kafka_read_stream``), same Spark settings, trigger and wait for
@@ -20,7 +23,8 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   to the same S3 server (the pyspark wheel has no hadoop-aws, so
   ``df.write.parquet("s3a://...")`` is not available). Raw records, no decode, no correction,
   no compare-and-append. Done when every record produced (updates and
-  progress) is in a Parquet object.
+  progress) is in a Parquet object. The median of as many bursts as the sink's
+  (``baseline_updates_per_s_runs``); ``sink_vs_baseline`` is the ratio of the two medians.
 - ``freshness_p50_s`` / ``freshness_p99_s``: at a steady ~10k updates/s (a progress step
   every 0.5 s), per step the time from ``advance_to`` returning until the shard's upper
   reaches that frontier. The control messages carry their own timestamps (``minted_at_ms``,
@@ -31,9 +35,9 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 - ``correction_peak_ratio``: peak bytes of the correction buffer during hydration over the
   collection's Arrow size (``bench/bench_correction.py``'s ``measure_hydration_ratio``).
 - ``baseline_cpu_s`` / ``sink_cpu_s``: CPU seconds of the baseline's and of the services'
-  process trees during their timed runs (the producer shares the same two cores: the more
-  CPU a pipeline takes, the slower the updates arrive).
-- ``driver_cpu_share``: during the throughput run, CPU seconds of the services' driver Python
+  process trees during a timed burst, the median over the bursts (the producer shares the same
+  two cores: the more CPU a pipeline takes, the slower the updates arrive).
+- ``driver_cpu_share``: during the throughput run's bursts, CPU seconds of the services' driver Python
   process (where ``foreachBatch`` runs: reports, descriptions, appends) over the CPU seconds of
   the whole services process tree (the JVM, the Python workers that decode, absorb, read back
   and stage, the Python source runners, the driver), from ``/proc`` CPU times. In local mode
@@ -44,7 +48,9 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   as many rows as it retracts), the write service is SIGKILLed (its whole process group) and
   restarted at once after a history of N updates, then again after 10N; the time from the
   kill until the shard's upper catches up with the first progress step made after it.
-  ``recovery_s`` is the one after 10N, ``recovery_n_s`` the one after N, and
+  Each history size is measured ``--repeats`` times (a kill each, the services back in step
+  between them; the single times in ``recovery_runs`` and ``recovery_n_runs``, whose spread
+  on this machine is 2-4 s); ``recovery_s`` is the median after 10N, ``recovery_n_s`` after N, and
   ``recovery_history_ratio`` their ratio: the restarted writer resumes from its checkpoint,
   so recovery depends on the state's size, not on the history's.
 
@@ -404,6 +410,8 @@ def main() -> int:
     ap.add_argument("--updates", type=int, help="updates in the throughput runs (default 200k, quick 30k)")
     ap.add_argument("--freshness-s", type=float, help="length of the 10k/s freshness run (default 20, quick 10)")
     ap.add_argument("--hydration-rows", type=int, help="rows of the hydration measurement (default 500k, quick 100k)")
+    ap.add_argument("--repeats", type=int, help="timed bursts of each throughput run and kills at each history size of "
+                    "the recovery run; the figures are their medians (default 3, quick 1)")
     ap.add_argument("--profile", action="store_true", help="py-spy the services (and their Python workers) during the sink throughput run")
     ap.add_argument("--baseline-worker", nargs=3, metavar=("TOPIC", "PREFIX", "PROGRESS_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -423,7 +431,9 @@ def main() -> int:
     step_updates = 5_000 if args.quick else 10_000
     fresh_s = args.freshness_s or (10.0 if args.quick else 20.0)
     hyd_rows = args.hydration_rows or (100_000 if args.quick else 500_000)
-    out: dict[str, Any] = {"quick": args.quick, "updates": n_updates, "partitions": PARTITIONS, "cores": os.cpu_count()}
+    repeats = max(1, args.repeats or (1 if args.quick else 3))
+    out: dict[str, Any] = {"quick": args.quick, "updates": n_updates, "partitions": PARTITIONS, "cores": os.cpu_count(),
+                           "repeats": repeats}
     loads: dict[str, float] = {"start": load()}
     work = Path(os.environ.get("SHARDSINK_BENCH_DIR") or f"/tmp/shardsink-bench-sink-{uuid.uuid4().hex[:8]}")
     work.mkdir(parents=True, exist_ok=True)
@@ -463,19 +473,26 @@ def main() -> int:
             wl.send_step(warm)
             records = producer.sent_updates + producer.sent_progress
             wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline's warm-up batch", [base])
-            batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
             loads["baseline"] = load()
             assert base.p is not None
-            bcpu0 = tree_cpu(base.p.pid)
-            t0, prod_s, _ = produce_timed(wl, batches)
-            records = producer.sent_updates + producer.sent_progress
-            wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline to write every record", [base], poll_s=0.01)
-            base_s = time.monotonic() - t0
-            out["baseline_cpu_s"] = cpu_shares(bcpu0, tree_cpu(base.p.pid))["cpu_s"]
+            base_runs: list[tuple[float, float, float]] = []  # (seconds, produce seconds, CPU seconds)
+            for _ in range(repeats):
+                batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
+                time.sleep(1.0)  # the previous burst's last micro-batch commits
+                bcpu0 = tree_cpu(base.p.pid)
+                t0, prod_s, _ = produce_timed(wl, batches)
+                records = producer.sent_updates + producer.sent_progress
+                wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline to write every record", [base],
+                         poll_s=0.01)
+                base_s = time.monotonic() - t0
+                base_runs.append((base_s, prod_s, cpu_shares(bcpu0, tree_cpu(base.p.pid))["cpu_s"]))
+                log(f"baseline: {n_updates} updates in {base_s:.2f}s ({n_updates / base_s:.0f}/s); produced in {prod_s:.2f}s")
+            base_s = statistics.median(r[0] for r in base_runs)
+            out["baseline_cpu_s"] = round(statistics.median(r[2] for r in base_runs), 1)
             out["baseline_updates_per_s"] = round(n_updates / base_s)
+            out["baseline_updates_per_s_runs"] = [round(n_updates / r[0]) for r in base_runs]
             out["baseline_seconds"] = round(base_s, 2)
-            out["produce_updates_per_s"] = round(n_updates / prod_s)
-            log(f"baseline: {n_updates} updates in {base_s:.2f}s ({n_updates / base_s:.0f}/s); produced in {prod_s:.2f}s")
+            out["produce_updates_per_s"] = round(n_updates / statistics.median(r[1] for r in base_runs))
             base.stop()
 
             # -- 2. the sink, warm and in step: throughput ------------------------------------
@@ -490,7 +507,6 @@ def main() -> int:
             wait_for(lambda: watch.upper >= target, 900, "the sink to catch up", [svc])
             log(f"sink: in step after {time.monotonic() - t_catch:.1f}s (start + catch-up of {wl.updates} updates)")
             out["sink_catch_up_s"] = round(time.monotonic() - t_catch, 1)
-            batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
             loads["sink"] = load()
             spy = None
             if args.profile:
@@ -502,24 +518,33 @@ def main() -> int:
                 )
                 time.sleep(2.0)
             assert svc.p is not None
-            cpu0 = tree_cpu(svc.p.pid)
-            t0, prod_s, final = produce_timed(wl, batches)
-            wait_for(lambda: watch.upper >= final, 900, "the sink to commit every update", [svc], poll_s=0.01)
-            shares = cpu_shares(cpu0, tree_cpu(svc.p.pid))
+            sink_runs: list[tuple[float, float, float]] = []  # (seconds, produce seconds, CPU seconds)
+            cpu_first = tree_cpu(svc.p.pid)
+            for _ in range(repeats):
+                batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
+                time.sleep(1.0)  # the previous burst's last micro-batches commit
+                cpu0 = tree_cpu(svc.p.pid)
+                t0, prod_s, final = produce_timed(wl, batches)
+                wait_for(lambda: watch.upper >= final, 900, "the sink to commit every update", [svc], poll_s=0.01)
+                run_s = (watch.when(final) or time.monotonic()) - t0
+                sink_runs.append((run_s, prod_s, cpu_shares(cpu0, tree_cpu(svc.p.pid))["cpu_s"]))
+                log(f"sink: {n_updates} updates in {run_s:.2f}s ({n_updates / run_s:.0f}/s); produced in {prod_s:.2f}s")
+            # The shares over every timed burst (and the pauses between them).
+            shares = cpu_shares(cpu_first, tree_cpu(svc.p.pid))
             out["driver_cpu_share"] = shares.get("driver", 0.0)
             out["jvm_cpu_share"] = shares.get("jvm", 0.0)
             out["workers_cpu_share"] = shares.get("worker", 0.0)
-            out["sink_cpu_s"] = shares["cpu_s"]
+            out["sink_cpu_s"] = round(statistics.median(r[2] for r in sink_runs), 1)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
                 out["profile"] = str(work / "profile-sink.txt")
-            sink_s = (watch.when(final) or time.monotonic()) - t0
+            sink_s = statistics.median(r[0] for r in sink_runs)
             out["sink_updates_per_s"] = round(n_updates / sink_s)
+            out["sink_updates_per_s_runs"] = [round(n_updates / r[0]) for r in sink_runs]
             out["sink_seconds"] = round(sink_s, 2)
-            out["sink_produce_s"] = round(prod_s, 2)
+            out["sink_produce_s"] = round(statistics.median(r[1] for r in sink_runs), 2)
             out["sink_vs_baseline"] = round(out["sink_updates_per_s"] / out["baseline_updates_per_s"], 3)
-            log(f"sink: {n_updates} updates in {sink_s:.2f}s ({n_updates / sink_s:.0f}/s); produced in {prod_s:.2f}s")
 
             # -- 3. freshness at a steady ~10k updates/s (and at 1k/s: the latency floor) -------
             def freshness(per_step: int, seconds: float) -> tuple[list[float], float, dict[int, float]]:
@@ -585,27 +610,35 @@ def main() -> int:
                 for name in ("mint", "write", "append")
             }
             procs.extend(sep.values())
-            recov: dict[int, float] = {}
+            recov: dict[int, list[float]] = {}
             for history in (n_hist, 10 * n_hist):
                 while rwl.updates < history:
                     rwl.send_step(steady(5_000))
                 producer_flush = rwl.producer.flush
-                producer_flush()
-                target = rwl.frontier
-                wait_for(lambda: watch.upper >= target, 900, f"the separate services in step at {history}", list(sep.values()))
-                log(f"recovery: in step after {rwl.updates} updates ({len(rwl.live)} live); SIGKILL write")
-                sep["write"].kill()
-                t_kill = time.monotonic()
-                sep["write"].start()
-                after_kill = rwl.send_step(steady(1_000))
-                producer_flush()
-                wait_for(lambda: watch.upper >= after_kill, 900, "the sink back in step after the kill", list(sep.values()))
-                recov[history] = (watch.when(after_kill) or time.monotonic()) - t_kill
-                log(f"recovery: back in step {recov[history]:.2f}s after the kill at {history} updates")
+                for _ in range(repeats):
+                    producer_flush()
+                    target = rwl.frontier
+                    wait_for(lambda: watch.upper >= target, 900, f"the separate services in step at {history}",
+                             list(sep.values()))
+                    time.sleep(1.0)  # the write service idle, as a kill between bursts finds it
+                    log(f"recovery: in step after {rwl.updates} updates ({len(rwl.live)} live); SIGKILL write")
+                    sep["write"].kill()
+                    t_kill = time.monotonic()
+                    sep["write"].start()
+                    after_kill = rwl.send_step(steady(1_000))
+                    producer_flush()
+                    wait_for(lambda: watch.upper >= after_kill, 900, "the sink back in step after the kill",
+                             list(sep.values()))
+                    took = (watch.when(after_kill) or time.monotonic()) - t_kill
+                    recov.setdefault(history, []).append(took)
+                    log(f"recovery: back in step {took:.2f}s after the kill at {history} updates")
+            rec_n, rec_10n = statistics.median(recov[n_hist]), statistics.median(recov[10 * n_hist])
             out["recovery_n_updates"] = n_hist
-            out["recovery_n_s"] = round(recov[n_hist], 2)
-            out["recovery_s"] = round(recov[10 * n_hist], 2)
-            out["recovery_history_ratio"] = round(recov[10 * n_hist] / recov[n_hist], 2)
+            out["recovery_n_s"] = round(rec_n, 2)
+            out["recovery_s"] = round(rec_10n, 2)
+            out["recovery_n_runs"] = [round(x, 2) for x in recov[n_hist]]
+            out["recovery_runs"] = [round(x, 2) for x in recov[10 * n_hist]]
+            out["recovery_history_ratio"] = round(rec_10n / rec_n, 2)
             out["recovery_topic_updates"] = rwl.updates
             out["recovery_shard_rows"] = rec_shard.refresh().total_rows()
             watch.stop()
