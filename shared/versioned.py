@@ -10,9 +10,10 @@ Layout under ``prefix``::
     hint                               the seqno of a recent state
 
 Finding the head never LISTs the history: a handle caches the head it last saw; a fresh one
-reads the hint, then probes forward (GET n+1, then HEAD n+2, n+4, ... then a binary search:
-the first probe is a GET because most refreshes find exactly one new state, whose body they
-need anyway, so they take two requests instead of three). Only when
+reads the hint, then probes forward (GET n+1, then HEAD n+2, n+4, n+8, ... then a binary
+search: the first probe is a GET because most refreshes find exactly one new state, whose body
+they need anyway, so they take two requests, GET n+1 and HEAD n+2, where probing by HEAD alone
+took four: HEAD n+1, n+3 and n+2, then GET n+1). Only when
 the hint is missing or points at a collected state does it LIST the (small, collected) state
 prefix.
 
@@ -140,7 +141,7 @@ class VersionedLog(Generic[S]):
             fetched: tuple[int, bytes] | None = None
             try:
                 fetched = (lo + 1, self.store.get(self.state_key(lo + 1)))
-                lo, step = lo + 1, 2
+                lo = lo + 1  # then HEAD n+2, n+4, n+8, ...: one new state costs GET n+1, HEAD n+2
             except ObjectNotFoundError:
                 hi = lo + 1
             while hi is None:

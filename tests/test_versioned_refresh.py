@@ -1,0 +1,66 @@
+"""How :class:`shared.versioned.VersionedLog` finds the head, counted in requests on the
+in-memory object store (the pure core): a refresh that finds exactly one new state (every
+writer task, minter and appender after each append) takes a GET of it and one HEAD past it;
+longer runs are found by galloping HEADs and a binary search, and the head is right."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from shared.objectstore import MemoryObjectStore
+from shared.versioned import VersionedLog
+
+
+@dataclass(frozen=True)
+class _State:
+    seqno: int
+    change_token: str = ""
+
+    def encode(self) -> bytes:
+        return json.dumps({"seqno": self.seqno}).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> _State:
+        return _State(int(json.loads(data)["seqno"]))
+
+
+class _Counting(MemoryObjectStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def get(self, key: str) -> bytes:
+        self.calls["get"] += 1
+        return super().get(key)
+
+    def exists(self, key: str) -> bool:
+        self.calls["head"] += 1
+        return super().exists(key)
+
+
+def _write(log: VersionedLog[_State], store: MemoryObjectStore, *seqnos: int) -> None:
+    for n in seqnos:
+        store.put(log.state_key(n), _State(n).encode(), if_absent=True)
+
+
+@pytest.mark.parametrize("new", [0, 1, 2, 3, 7, 40])
+def test_a_refresh_finds_the_head_and_one_new_state_costs_a_get_and_a_head(new: int) -> None:
+    store = _Counting()
+    log = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    _write(log, store, 0, 1, 2)
+    log.write_hint(2)
+    assert log.refresh().seqno == 2
+    _write(log, store, *range(3, 3 + new))
+    store.calls.clear()
+    assert log.refresh().seqno == 2 + new
+    if new == 0:
+        assert store.calls == Counter({"get": 1})  # GET 3: not there, the cached head stands
+    elif new == 1:
+        assert store.calls == Counter({"get": 1, "head": 1})  # GET 3, HEAD 4
+    else:
+        # galloping HEADs, a binary search, and the head's GET unless it was the one fetched
+        assert store.calls["get"] == 2 and store.calls["head"] <= 2 * new.bit_length() + 1, store.calls
