@@ -160,6 +160,7 @@ def test_a_checkpoint_that_is_not_a_local_path_has_no_hold_and_admits_everything
     start = r.initialOffset()
     produce(stack.bootstrap_servers, desired, [(0, b"a")])
     r.latestOffset(start, r.getDefaultReadLimit())  # the first call admits, as always
+    assert r.latestOffset(start, r.getDefaultReadLimit()) == start  # an update alone waits for its statement
     # Nothing says it holds: a statement is admitted at once, with the updates before it (with
     # a hold file saying so, only news or a second without admission would admit it).
     produce(stack.bootstrap_servers, desired, [(0, progress_statement(1))])
