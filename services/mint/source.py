@@ -29,17 +29,21 @@ Desired records without a progress statement are held back too. A producer write
 updates and then its statement; the first records of a step would otherwise wake the query
 for a micro-batch that finds no statement and mints nothing, and the statement would wait for
 that micro-batch to end and for the next trigger (measured: about 1.5 mint micro-batches per
-description during a burst). So when no description is held and the admitted desired ranges
-hold no statement (their tails read to their starts, each record read once: a range read
-without a statement is remembered, and the next look reads only what came after it), with no
-news on ``frontiers``, ``latestOffset`` answers the start: no micro-batch. It admits them as
-soon as a statement arrives, with news, and at least every
-:data:`shared.io.spark_kafka.ADMIT_EVERY_S`; a tail it cannot read, a start or restart and an
-``availableNow`` trigger admit at once.
+description during a burst). So the desired topic is always held
+(:class:`shared.io.spark_kafka.HoldingStreamReader`), and the hold file decides only whether a
+statement admits it: when no description is held, the desired ranges past the start are
+admitted once they hold a statement (their tails read to their starts, each record read once:
+a range read without a statement is remembered, and the next look reads only what came after
+it; the statements found go into :data:`PROGRESS_KEY` without a second read). Until then, with
+no news on ``frontiers``, ``latestOffset`` answers the start: no micro-batch, and a wait for
+records (``waitForRecordsMs``) watches the desired partitions too, so that a statement that
+arrives is admitted at once. News and at least every
+:data:`shared.io.spark_kafka.ADMIT_EVERY_S` admit them too; a tail it cannot read, a start or
+restart and an ``availableNow`` trigger admit at once.
 
 Same options as ``shardsink-kafka``, plus ``shardsinkMintHold`` (JSON: the hold file and the
-desired topic). A checkpoint that is not a local path (``s3a://``) has no
-hold file: the source then admits everything, as the plain Kafka source does.
+desired topic). A checkpoint that is not a local path (``s3a://``) has no hold file: the
+source then never holds for the minter (a statement admits the desired records at once).
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ import base64
 import json
 import logging
 import os
-import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,6 +63,8 @@ from shared.io.spark_kafka import (
     ANNOTATION_PREFIX,
     HoldingStreamReader,
     KafkaDataSource,
+    KafkaStreamReader,
+    Offsets,
     SourceOptions,
     offsets_from_json,
 )
@@ -72,6 +77,9 @@ HOLD_FILE = "mint-hold"
 #: The annotation of a mint micro-batch's offsets that carries the desired partitions' latest
 #: progress statements.
 PROGRESS_KEY = ANNOTATION_PREFIX + "progress"
+#: What a desired range's tail holds: its latest progress statement ``(offset, value)``, None
+#: for none, or the error that kept it from being read.
+Tail = tuple[int, bytes] | None | ShardsinkError
 
 
 def hold_path(checkpoint: str) -> str | None:
@@ -107,64 +115,61 @@ def _holding(path: str | None) -> bool:
 
 
 class MintStreamReader(HoldingStreamReader):
-    """Holds the desired topic back while the minter's hold file says so; news on
-    ``frontiers`` (the other topic it reads) ends the hold."""
+    """Holds the desired topic back (:class:`HoldingStreamReader`: news on ``frontiers``, the
+    other topic it reads, ends the hold); while the minter's hold file says it is not holding,
+    a progress statement past the start admits it too (module docstring)."""
 
     def __init__(self, options: SourceOptions, hold: dict[str, Any]) -> None:
         super().__init__(options, held=hold["desired_topic"])
         self.hold = hold
-        #: when ``latestOffset`` last answered more than its start (None: never, it admits)
-        self._delivered: float | None = None
         #: per desired partition, ``(start, end)``: a range read back to ``start`` without a
         #: progress statement (the next look at a range from ``start`` reads from ``end`` on)
         self._quiet: dict[int, tuple[int, int]] = {}
+        #: the last tails read: the ranges ``(partition, start, end)`` and what each held
+        self._tails: tuple[list[tuple[int, int, int]], list[Tail]] = ([], [])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "hold": self.hold, "_delivered": None, "_quiet": {}}
+        return {**super().__getstate__(), "hold": self.hold, "_quiet": {}, "_tails": ([], [])}
 
-    def holding(self) -> bool:
+    def minter_holds(self) -> bool:
+        """Whether the minter's hold file says it holds the desired topic back."""
         return _holding(self.hold.get("file"))
 
-    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        s = offsets_from_json(start)
-        deadline = time.monotonic() + self.wait_budget()
-        while True:
-            end = super().latestOffset(start, limit)
-            e = offsets_from_json(end)
-            progress, found = self.latest_progress(s, e, start.get(PROGRESS_KEY))
-            if found or not self._nothing_to_mint(s, e):
-                self._delivered = time.monotonic()
-                return {**end, PROGRESS_KEY: progress} if progress else end
-            # Only updates so far: wait, as for the first record, for the ones after them.
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._p().await_records(self.watched(), left):
-                return start
-
-    def _nothing_to_mint(self, s: Mapping[str, Mapping[int, int]], e: Mapping[str, Mapping[int, int]]) -> bool:
-        """Whether ``e`` is ``s`` but for desired records without a statement, which mint has no
-        use for yet (module docstring)."""
-        if self._target is not None or self._delivered is None:
-            return False  # availableNow reaches its target; a start or restart admits
-        if time.monotonic() - self._delivered >= self.admit_every_s:
+    def admits(self, start: Offsets, end: Offsets, limit: ReadLimit) -> bool:
+        """While the minter is not holding: whether a desired range ``[start, end)`` may hold a
+        progress statement (one found, or a tail that could not be read)."""
+        if self.minter_holds():
             return False
-        topic = self.hold["desired_topic"]
-        return all(p in s.get(t, {}) and (t == topic or o <= s[t][p]) for t, ps in e.items() for p, o in ps.items())
+        return any(found is not None for found in self.read_tails(start, end)[1])
 
-    def latest_progress(self, start: Mapping[str, Mapping[int, int]], end: Mapping[str, Mapping[int, int]],
-                        carried: Any) -> tuple[dict[str, list[Any]], bool]:
-        """The :data:`PROGRESS_KEY` annotation of ``end``: ``carried`` (``start``'s), updated
-        with the latest statement of each desired range ``[start, end)`` that is not empty; and
-        whether a range may hold a statement (one found, or a tail that could not be read)."""
+    def watched(self) -> dict[tuple[str, int], int]:
+        """While the minter is not holding, the desired partitions too: their next record may be
+        the statement that admits them."""
+        return super().watched() if self.minter_holds() else KafkaStreamReader.watched(self)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        end = super().latestOffset(start, limit)
+        progress = self.latest_progress(offsets_from_json(start), offsets_from_json(end), start.get(PROGRESS_KEY))
+        return {**end, PROGRESS_KEY: progress} if progress else end
+
+    def read_tails(self, start: Mapping[str, Mapping[int, int]], end: Mapping[str, Mapping[int, int]],
+                   ) -> tuple[list[tuple[int, int, int]], list[Tail]]:
+        """The desired ranges ``(partition, start, end)`` of ``[start, end)`` that are not empty,
+        and the latest progress statement of each (None: none; an error: its tail could not be
+        read). The ranges last read are answered again without a read."""
         from services.sinkio import latest_progress_record
 
         topic = self.hold["desired_topic"]
-        prefix = dict(self.options.skip_value_prefixes).get(topic)
-        out: dict[str, list[Any]] = dict(carried) if isinstance(carried, Mapping) else {}
         ranges = [(p, start.get(topic, {}).get(p, 0), b) for p, b in sorted(end.get(topic, {}).items())]
         ranges = [(p, a, b) for p, a, b in ranges if b > a]
+        if not ranges:
+            return [], []
+        if ranges == self._tails[0]:
+            return self._tails
+        prefix = dict(self.options.skip_value_prefixes).get(topic)
         quiet = {p: q for p, q in self._quiet.items() if any(p == r[0] and q[0] == r[1] for r in ranges)}
 
-        def one(r: tuple[int, int, int]) -> tuple[int, bytes] | None | ShardsinkError:
+        def one(r: tuple[int, int, int]) -> Tail:
             p, a, b = r
             # [a, quiet end) was read without a statement: only what came after it can hold one.
             a = max(a, min(b, quiet[p][1])) if p in quiet else a
@@ -182,23 +187,29 @@ class MintStreamReader(HoldingStreamReader):
                 results = list(ex.map(one, ranges))
         else:
             results = [one(r) for r in ranges]
-        any_found = False
         self._quiet = {}
         for (p, a, b), found in zip(ranges, results, strict=True):
             if isinstance(found, ShardsinkError):
                 # The minter reads the range itself (and meets the error there, typed).
                 log.warning("could not read the latest progress of %s/%d in [%d, %d): %s", topic, p, a, b, found)
-                out.pop(str(p), None)
-                any_found = True
-                continue
-            if found is not None:
-                out[str(p)] = [found[0], base64.b64encode(found[1]).decode()]
-                any_found = True
-            else:
+            elif found is None:
                 self._quiet[p] = (a, b)
-                if str(p) not in out:
-                    out[str(p)] = [-1, None]
-        return out, any_found
+        self._tails = (ranges, results)
+        return self._tails
+
+    def latest_progress(self, start: Mapping[str, Mapping[int, int]], end: Mapping[str, Mapping[int, int]],
+                        carried: Any) -> dict[str, list[Any]]:
+        """The :data:`PROGRESS_KEY` annotation of ``end``: ``carried`` (``start``'s), updated
+        with the latest statement of each desired range ``[start, end)`` that is not empty."""
+        out: dict[str, list[Any]] = dict(carried) if isinstance(carried, Mapping) else {}
+        for (p, _, _), found in zip(*self.read_tails(start, end), strict=True):
+            if isinstance(found, ShardsinkError):
+                out.pop(str(p), None)
+            elif found is not None:
+                out[str(p)] = [found[0], base64.b64encode(found[1]).decode()]
+            elif str(p) not in out:
+                out[str(p)] = [-1, None]
+        return out
 
 
 def planned_progress(offsets: Mapping[str, Any] | None) -> dict[int, tuple[int, bytes] | None]:

@@ -103,7 +103,7 @@ class DesiredStreamReader(HoldingStreamReader):
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "decode": self.decode, "step": self.step}
 
-    def admits(self, start: Offsets, limit: ReadLimit) -> bool:
+    def admits(self, start: Offsets, end: Offsets, limit: ReadLimit) -> bool:
         return isinstance(limit, ReadMaxRows) and self.waiting(start) >= int(limit.max_rows)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:

@@ -40,9 +40,10 @@ starts with those bytes are dropped inside ``read()``, on the executor, before t
 rows (their offsets still count as read). The mint service uses it to drop desired updates
 (it needs only progress statements) without shipping them through Spark.
 ``waitForRecordsMs`` (default 0): a ``latestOffset`` that finds nothing to read waits up to
-this long for a record on the partitions whose records would make a micro-batch (at the ends
+this long for a record on the partitions whose records may make a micro-batch (at the ends
 it just found, :meth:`shared.io.kafka.OffsetProbe.await_records`: a fetch the broker holds
-until a record arrives), then looks again. A micro-batch then starts a few milliseconds after
+until a record arrives), then looks again, and waits on for the rest of that time while the
+look still finds nothing to read. A micro-batch then starts a few milliseconds after
 the record that calls for it instead of at the next trigger (on average half a trigger
 interval later, plus a look), and an idle query looks once per wait instead of once per
 trigger. Spark's trigger loop goes on at once after a look that took longer than its
@@ -577,8 +578,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         s = offsets_from_json(start)
         end = self.next_end(s, limit)
-        wait_s = self.wait_budget()
-        if wait_s > 0 and not pending(s, end) and self._p().await_records(self.watched(), wait_s):
+        deadline = time.monotonic() + self.wait_budget()
+        # A record that ends a wait may still make no micro-batch (one a holding reader holds
+        # back): the look after it waits on, within the same budget.
+        while not pending(s, end):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._p().await_records(self.watched(), left):
+                break
             end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
         return offsets_to_json(end)
 
@@ -1123,8 +1129,9 @@ class HoldingStreamReader(KafkaStreamReader):
         """Whether the query cannot use the held topic now (default: always)."""
         return True
 
-    def admits(self, start: Offsets, limit: ReadLimit) -> bool:
-        """Another reason to admit the held topic at once (default: none)."""
+    def admits(self, start: Offsets, end: Offsets, limit: ReadLimit) -> bool:
+        """Another reason to admit the held topic at once, up to the candidate ``end`` (default:
+        none)."""
         return False
 
     def waiting(self, start: Offsets) -> int:
@@ -1136,7 +1143,7 @@ class HoldingStreamReader(KafkaStreamReader):
         end = self._end(s, limit)
         now = time.monotonic()
         if (self._target is not None or not self.holding() or now - self._admitted >= self.admit_every_s
-                or news_beside(s, end, self.held) or self.admits(s, limit)):
+                or news_beside(s, end, self.held) or self.admits(s, end, limit)):
             self._admitted = now
             return end
         return held_back(s, end, self.held)
