@@ -86,6 +86,8 @@ ENV_VARS: dict[str, str] = {
     "SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS": "data objects of a shard before its gc sweep runs on Spark",
     "SHARDSINK_CONTROLLER_SPARK_TIMEOUT_MS": "a controller Spark job running longer is cancelled and done in-process",
     "SHARDSINK_CONTROLLER_TICK_MS": "the controller's tick interval",
+    "SHARDSINK_CONTROLLER_HEAD_REFRESH_MS": "a collection nobody waits on has its shard head read at least this often "
+                                            "(announced uppers and waiting readers are read at the next tick)",
     "SHARDSINK_PEEK_TIMEOUT_MS": "how long a peek waits for its as-of to become readable",
     "SHARDSINK_PEEK_MAX_INLINE_BYTES": "peek results larger than this are answered as S3 objects",
     "SHARDSINK_RECLAIM_GRACE_MS": "how long a dropped collection's storage is kept",

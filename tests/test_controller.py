@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -311,3 +312,62 @@ def test_a_newer_controller_fences_the_older_one(stack: EmbeddedStack) -> None:
     finally:
         old.stop()
         client.close()
+
+
+def test_quiet_heads_are_not_read_at_every_tick_but_announced_and_waited_on_ones_are(stack: EmbeddedStack) -> None:
+    """An idle controller does not read every collection's shard head at every tick (an S3
+    request per collection every 50 ms): a quiet head is read every ``head_refresh_ms`` (here a
+    minute, so never during the test), an upper announced on ``frontiers`` is read at the next
+    tick, and so is the head of a collection a peek waits on."""
+    from services.sinkio import ControlProducer
+    from shared.codec import message_codec
+
+    cs = controller_settings(stack, head_refresh_ms=60_000, peek_timeout_ms=60_000)
+    # A topic of its own: the undecodable announcement below is for this controller only.
+    cs = replace(cs, service=replace(cs.service, frontiers_topic=f"frontiers-{cs.commands_topic}"))
+    ctl = Controller(cs).start()
+    client = client_for(cs)
+    store = cs.service.store()
+    announcer = ControlProducer.create(cs.service.kafka, "test-announcer")
+
+    def direct_append(cid: str, lower: int, upper: int) -> None:
+        shard = Shard.open(store, cid)
+        shard.compare_and_append(shard.to_table(_rows(2, lower, start=lower * 10)), lower, upper)
+
+    def reported(cid: str) -> list[int | None]:
+        client.poll(0.05)
+        return list(client.frontier_uppers(cid))
+
+    try:
+        for cid in ("quiet", "announced", "waited"):
+            ok(client.call("CreateCollection", create_body(cid)))
+        _wait(lambda: all(0 in reported(c) for c in ("quiet", "announced", "waited")))
+        reads = ctl.head_reads
+        time.sleep(1.0)  # about 20 ticks
+        assert ctl.head_reads == reads, "the heads of quiet collections were read at every tick"
+
+        # Appended directly (no command), announced: reported at once.
+        direct_append("announced", 0, 1)
+        announcer.send(cs.service.frontiers_topic, b"\x00not an announcement")  # skipped, logged
+        announcer.send(cs.service.frontiers_topic, message_codec("frontier_update").encode(
+            {"shard_id": "announced", "sink_id": None, "upper": 1, "desc_token": None, "updated_at_ms": 0}))
+        announcer.flush()
+        # Appended directly, not announced, nobody waiting: not read (until head_refresh_ms).
+        direct_append("quiet", 0, 1)
+        _wait(lambda: 1 in reported("announced"))
+        time.sleep(1.0)
+        assert 1 not in reported("quiet")
+
+        # A peek waits on "waited" (as of 1, upper 0): its head is read at every tick, so a
+        # direct append nobody announces answers it.
+        pid = client.send("Peek", {"collection_id": "waited", "as_of": 1})
+        direct_append("waited", 0, 2)
+        assert peek_rows(client.wait(pid, timeout_s=30)) == Counter({(0, "v0"): 1, (1, "v1"): 1})
+        _wait(lambda: 2 in reported("waited"))
+        # An Append command reads the head itself: the next tick reports it without a read.
+        ok(client.call("Append", append_body("quiet", _rows(1, 1, start=5), 2, expected=1)))
+        _wait(lambda: 2 in reported("quiet"))
+    finally:
+        ctl.stop()
+        client.close()
+    assert ctl.error is None, ctl.error

@@ -93,3 +93,30 @@ def test_subscribe_steps_stop_at_up_to_and_hold_at_progress() -> None:
     assert is_final_step(step[1], 10)
     assert not is_final_step(Frontier.at(9), 10)
     assert is_final_step(Frontier.empty(), None)
+
+
+def test_heads_due_reads_urgent_heads_at_once_and_spreads_quiet_ones_over_the_refresh_interval() -> None:
+    from services.controller.model import heads_due
+
+    every_s, tick_s = 1.0, 0.05
+    # 100 collections opened together, then a peek waits on "c7": the first tick reads c7 and
+    # ceil(100 * 0.05 / 1) + 1 = 6 of the others, oldest first (ties by id).
+    last = {f"c{i}": 0.0 for i in range(100)}
+    due = heads_due(last, {"c7"}, 1.0, every_s, tick_s)
+    assert due[0] == "c7" and len(due) == 7 and len(set(due)) == 7
+    # Ticks go on: every quiet head is read within the interval (and a few ticks), none twice,
+    # and the urgent one at every tick.
+    now, reads = 1.0, []
+    while now < 2.5:
+        due = heads_due(last, {"c7"}, now, every_s, tick_s)
+        assert "c7" in due and len(due) <= 7
+        for cid in due:
+            last[cid] = now
+        reads += [c for c in due if c != "c7"]
+        now += tick_s
+    first_pass = reads[: len(last) - 1]
+    assert sorted(first_pass) == sorted(c for c in last if c != "c7")
+    # A head read less than the interval ago is not read again; an unknown urgent id is ignored.
+    assert heads_due({"a": 0.9, "b": 0.0}, {"zz"}, 1.0, every_s, tick_s) == ["b"]
+    # head_refresh_ms 0: every head at every tick (the tick before announcements).
+    assert sorted(heads_due({"a": 1.0, "b": 1.0}, set(), 1.0, 0.0, tick_s)) == ["a", "b"]

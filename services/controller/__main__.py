@@ -61,6 +61,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None
         max_inline_bytes=int(pick("max_inline_bytes", "SHARDSINK_PEEK_MAX_INLINE_BYTES", "65536")),
         reclaim_grace_ms=int(pick("reclaim_grace_ms", "SHARDSINK_RECLAIM_GRACE_MS", "0")),
         gc_interval_ms=int(pick("gc_interval_ms", "SHARDSINK_GC_INTERVAL_MS", "30000")),
+        head_refresh_ms=int(pick("head_refresh_ms", "SHARDSINK_CONTROLLER_HEAD_REFRESH_MS", "1000")),
         spark=SparkJobSettings(
             master=pick("spark_master", "SHARDSINK_CONTROLLER_SPARK_MASTER", "") or None,
             min_bytes=int(pick("spark_min_bytes", "SHARDSINK_CONTROLLER_SPARK_MIN_BYTES", str(64 * 1024 * 1024))),
@@ -80,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-inline-bytes", type=int)
     p.add_argument("--reclaim-grace-ms", type=int)
     p.add_argument("--gc-interval-ms", type=int)
+    p.add_argument("--head-refresh-ms", type=int,
+                   help="read the head of a collection nobody waits on at least this often "
+                        "(SHARDSINK_CONTROLLER_HEAD_REFRESH_MS)")
     p.add_argument("--spark-master", help="Spark master of the controller's jobs (SHARDSINK_CONTROLLER_SPARK_MASTER)")
     p.add_argument("--spark-min-bytes", type=int)
     p.add_argument("--spark-gc-min-objects", type=int)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +48,20 @@ class ControllerSettings:
     reclaim_grace_ms: int = 0
     #: Commit the command offset when idle for this long.
     idle_commit_ms: int = 500
+    #: A collection nobody waits on is refreshed (its shard head read: an S3 request) at least
+    #: this often; one with a waiting peek or a running subscribe at every tick, and one whose
+    #: appender announced a new upper on ``frontiers`` at the next tick.
+    head_refresh_ms: int = 1000
     #: Data-heavy work as Spark jobs (services/controller/spark_jobs.py); no master: none.
     spark: SparkJobSettings = SparkJobSettings()
 
     def __post_init__(self) -> None:
-        if self.tick_ms <= 0 or self.peek_timeout_ms < 0 or self.max_inline_bytes < 0 or self.log_max_entries < 1:
+        if (self.tick_ms <= 0 or self.peek_timeout_ms < 0 or self.max_inline_bytes < 0 or self.log_max_entries < 1
+                or self.head_refresh_ms < 0):
             raise ValueError(
-                "expected tick_ms > 0, peek_timeout_ms >= 0, max_inline_bytes >= 0, log_max_entries >= 1, found "
-                f"{self.tick_ms}, {self.peek_timeout_ms}, {self.max_inline_bytes}, {self.log_max_entries}"
+                "expected tick_ms > 0, peek_timeout_ms >= 0, max_inline_bytes >= 0, log_max_entries >= 1, "
+                f"head_refresh_ms >= 0, found {self.tick_ms}, {self.peek_timeout_ms}, {self.max_inline_bytes}, "
+                f"{self.log_max_entries}, {self.head_refresh_ms}"
             )
 
 
@@ -74,6 +82,10 @@ class OpenCollection:
     shard: Shard
     caps: Capabilities
     batches_seen: int = -1
+    #: When the loop last read the shard's head (monotonic seconds; never: -inf).
+    refreshed_at: float = float("-inf")
+    #: An upper was announced on ``frontiers`` since that read.
+    announced: bool = False
     _codec: RowCodec | None = None
 
     @property
@@ -84,6 +96,18 @@ class OpenCollection:
         if self._codec is None or self._codec.schema != st.schema:
             self._codec = RowCodec(st.schema, previous=[v.schema for v in st.versions[:-1]])
         return self._codec
+
+
+def heads_due(last_read: Mapping[str, float], urgent: Set[str], now: float, every_s: float, tick_s: float) -> list[str]:
+    """The collections whose shard heads a tick reads (the others keep the last head read):
+    every ``urgent`` one (a peek or a subscribe waits on it, its upper was announced), then
+    the quiet ones last read ``every_s`` ago or more, oldest first, at most as many a tick as
+    spreads them over ``every_s`` (collections created together would otherwise all be read
+    in the same tick, every ``every_s``). ``last_read``: every live collection's last read."""
+    stale = sorted((t, cid) for cid, t in last_read.items() if cid not in urgent and now - t >= every_s)
+    if every_s > 0:
+        stale = stale[: math.ceil(len(last_read) * tick_s / every_s) + 1]
+    return [*sorted(urgent & last_read.keys()), *(cid for _, cid in stale)]
 
 
 def b64(b: bytes) -> str:

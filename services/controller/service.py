@@ -121,6 +121,9 @@ class Controller(CollectionsRoom, PeeksRoom, SubscribesRoom, CapabilitiesRoom, F
                     if m.error() is not None:
                         log.warning("commands consumer: %s", m.error())
                         continue
+                    if m.topic() == self.settings.service.frontiers_topic:
+                        self._note_announcement(m.value())
+                        continue
                     self._handle_message(int(m.partition()), int(m.offset()), m.value())
                 try:
                     self.tick()
