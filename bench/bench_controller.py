@@ -22,9 +22,16 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   collection through the ``shardsink`` Spark batch source (local[2] session, already warm:
   median of 3 after one untimed read)
 
+- idle_s3_requests_per_s / idle_tick_ms: a controller left alone with 100 collections (none
+  written, waited on or announced), measured for 5 s: its S3 requests a second (counted at its
+  client) and the mean duration of its ticks; ``idle_every_tick_*`` the same with
+  ``head_refresh_ms`` 0 (every head read at every tick, as before the controller read quiet
+  heads about once a second)
+
 ``--quick`` shrinks every size (for smoke runs); ``--no-cluster`` skips the standalone cluster
 (its figures are then null); ``--compaction-rows N`` sets the rows of each of the 20 batches
-compacted (default 50,000; 5,000 with ``--quick``).
+compacted (default 50,000; 5,000 with ``--quick``); ``--idle-collections N`` the collections
+of the idle figures (default 100; 10 with ``--quick``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import pyarrow as pa
 
@@ -274,11 +282,67 @@ def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> f
             client.close()
 
 
+def bench_idle(stack: EmbeddedStack, collections: int, seconds: float = 5.0) -> dict[str, float]:
+    """S3 requests a second and mean tick of an idle controller with ``collections`` quiet
+    collections, with the default ``head_refresh_ms`` and with 0 (every head at every tick)."""
+    from dataclasses import replace
+
+    from shared.io.s3 import S3ObjectStore
+
+    requests = [0]
+    originals = {n: getattr(S3ObjectStore, n) for n in ("get", "exists", "put", "list", "delete", "delete_many")}
+
+    def counted(f: Any) -> Any:
+        def call(self: Any, *a: Any, **k: Any) -> Any:
+            requests[0] += 1
+            return f(self, *a, **k)
+        return call
+
+    env = {**stack.env(), "SHARDSINK_S3_PREFIX": f"bench-idle-{uuid.uuid4().hex[:8]}"}
+    svc = ServiceSettings.from_env_and_args(None, env)
+    u = uuid.uuid4().hex[:8]
+    base = ControllerSettings(svc, commands_topic=f"commands-i{u}", responses_topic=f"responses-i{u}")
+    out: dict[str, float] = {}
+    for name, every in (("idle", base.head_refresh_ms), ("idle_every_tick", 0)):
+        controller = Controller(replace(base, head_refresh_ms=every)).start()
+        client = ControllerClient(svc.kafka, commands_topic=base.commands_topic, responses_topic=base.responses_topic)
+        ticks: list[float] = []
+        tick = controller.tick
+
+        def timed_tick(tick: Any = tick) -> None:
+            t0 = time.perf_counter()
+            tick()
+            ticks.append(time.perf_counter() - t0)
+
+        controller.tick = timed_tick  # type: ignore[method-assign]
+        try:
+            for i in range(collections):
+                if name == "idle":
+                    create(client, f"idle{i}")
+            time.sleep(2.0)  # the second controller opens them all at its recovery
+            for n, f in originals.items():
+                setattr(S3ObjectStore, n, counted(f))
+            requests[0], ticks[:] = 0, []
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            elapsed = time.monotonic() - t0
+        finally:
+            for n, f in originals.items():
+                setattr(S3ObjectStore, n, f)
+            controller.stop()
+            client.close()
+        out[f"{name}_s3_requests_per_s"] = round(requests[0] / elapsed, 1)
+        out[f"{name}_tick_ms"] = round(1000 * statistics.mean(ticks), 1) if ticks else float("nan")
+    log(f"idle controller, {collections} collections: {out}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-cluster", action="store_true")
     ap.add_argument("--compaction-rows", type=int)
+    ap.add_argument("--idle-collections", type=int)
     args = ap.parse_args()
     comp_n = args.compaction_rows or (5_000 if args.quick else 50_000)
     peek_rows = 100_000 if args.quick else 1_000_000
@@ -301,6 +365,7 @@ def main() -> int:
             client.close()
         comp_cluster = None if args.no_cluster else bench_compaction_cluster(stack, 20, comp_n)
         spark_read_s = bench_spark_read(svc, peek_rows)
+        idle = bench_idle(stack, args.idle_collections or (10 if args.quick else 100))
     out = {
         "peek_1m_rows_s": round(peek_s, 3),
         "peek_rows": peek_rows,
@@ -313,6 +378,8 @@ def main() -> int:
         "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),
         "compaction_cluster_vs_local": None if comp_cluster is None else round(comp_cluster / comp, 3),
         "spark_read_1m_rows_s": round(spark_read_s, 3),
+        "idle_collections": args.idle_collections or (10 if args.quick else 100),
+        **idle,
         "quick": args.quick,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
