@@ -371,3 +371,41 @@ def test_quiet_heads_are_not_read_at_every_tick_but_announced_and_waited_on_ones
         ctl.stop()
         client.close()
     assert ctl.error is None, ctl.error
+
+
+def test_announcements_do_not_add_ticks(stack: EmbeddedStack) -> None:
+    """An announcement is read at the tick that is due, not by a tick of its own: sinks that
+    announce often do not multiply the controller's ticks (each a catalog read)."""
+    from services.sinkio import ControlProducer
+    from shared.codec import message_codec
+
+    cs = controller_settings(stack)
+    cs = replace(cs, service=replace(cs.service, frontiers_topic=f"frontiers-{cs.commands_topic}"))
+    ctl = Controller(cs).start()
+    client = client_for(cs)
+    announcer = ControlProducer.create(cs.service.kafka, "test-announcer")
+    ticks: list[float] = []
+    tick = ctl.tick
+
+    def counted() -> None:
+        ticks.append(time.monotonic())
+        tick()
+
+    try:
+        ok(client.call("CreateCollection", create_body("busy")))
+        ctl.tick = counted  # type: ignore[method-assign]
+        value = message_codec("frontier_update").encode(
+            {"shard_id": "busy", "sink_id": None, "upper": 0, "desc_token": None, "updated_at_ms": 0})
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # an announcement every ~10 ms
+            announcer.send(cs.service.frontiers_topic, value)
+            announcer.flush()
+            time.sleep(0.01)
+        elapsed = time.monotonic() - t0
+        during = [t for t in ticks if t0 <= t <= t0 + elapsed]
+        assert during, "the controller stopped ticking"
+        assert len(during) <= elapsed / (cs.tick_ms / 1000.0) + 3, (len(during), elapsed)
+    finally:
+        ctl.stop()
+        client.close()
+    assert ctl.error is None, ctl.error

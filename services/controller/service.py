@@ -34,6 +34,7 @@ module                 responsibility
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Self
 
@@ -115,8 +116,10 @@ class Controller(CollectionsRoom, PeeksRoom, SubscribesRoom, CapabilitiesRoom, F
             self.recover()
             self._ready.set()
             tick_s = self.settings.tick_ms / 1000.0
+            next_tick = time.monotonic()
             while not self._stop.is_set():
-                msgs = consume_available(self.consumer, 64, tick_s)
+                msgs = consume_available(self.consumer, 64, max(0.0, next_tick - time.monotonic()))
+                commanded = False
                 for m in msgs:
                     if m.error() is not None:
                         log.warning("commands consumer: %s", m.error())
@@ -125,6 +128,12 @@ class Controller(CollectionsRoom, PeeksRoom, SubscribesRoom, CapabilitiesRoom, F
                         self._note_announcement(m.value())
                         continue
                     self._handle_message(int(m.partition()), int(m.offset()), m.value())
+                    commanded = True
+                # A command's effects are ticked at once; announcements wait for the tick that
+                # is due (each sink appending would otherwise add ticks, each a catalog read).
+                if not commanded and time.monotonic() < next_tick:
+                    continue
+                next_tick = time.monotonic() + tick_s
                 try:
                     self.tick()
                 except FencedError:
