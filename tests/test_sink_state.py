@@ -1017,10 +1017,16 @@ def test_a_write_state_checkpoint_restores_every_buffer_and_staged_batch() -> No
     import pyarrow as pa
 
     ws = _write_state_with_everything()
-    assert ws.correction.contents().to_list() and ws.errors.contents().to_list() and ws._staged
     blob = ws.to_checkpoint()
     restored = WriteState.from_checkpoint(blob)
     assert _state_summary(restored) == _state_summary(ws)
+    # Every buffer, as it was absorbed (not only equal to the original: both could be empty).
+    assert restored.correction.contents().to_list() == [(b"a", 2, 1), (b"b", 3, 2), (b"c", 12, -1), (b"old", 1, -1)]
+    assert restored.errors.contents().to_list() == [(b"partition 1: bad row", 4, 1)]
+    (sid, (upper, staged, staged_errors)), = restored._staged.items()
+    assert sid == "shards/x/data/p-w1of3.parquet" and upper == Frontier.at(10)
+    assert staged.to_list() == [(b"a", 2, 1), (b"b", 3, 2), (b"old", 1, -1)]
+    assert staged_errors.to_list() == [(b"partition 1: bad row", 4, 1)]
     # Which buffer a row belongs to is written once per buffer (a dictionary), not per row.
     table = pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
     assert pa.types.is_dictionary(table["which"].type)
