@@ -316,8 +316,8 @@ def bench_idle(stack: EmbeddedStack, collections: int, seconds: float = 5.0) -> 
 
         controller.tick = timed_tick  # type: ignore[method-assign]
         try:
-            for i in range(collections):
-                if name == "idle":
+            if name == "idle":
+                for i in range(collections):
                     create(client, f"idle{i}")
             time.sleep(2.0)  # the second controller opens them all at its recovery
             for n, f in originals.items():

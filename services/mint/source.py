@@ -63,7 +63,6 @@ from shared.io.spark_kafka import (
     ANNOTATION_PREFIX,
     HoldingStreamReader,
     KafkaDataSource,
-    KafkaStreamReader,
     Offsets,
     SourceOptions,
     offsets_from_json,
@@ -142,10 +141,10 @@ class MintStreamReader(HoldingStreamReader):
             return False
         return any(found is not None for found in self.read_tails(start, end)[1])
 
-    def watched(self) -> dict[tuple[str, int], int]:
-        """While the minter is not holding, the desired partitions too: their next record may be
-        the statement that admits them."""
-        return super().watched() if self.minter_holds() else KafkaStreamReader.watched(self)
+    def held_may_admit(self) -> bool:
+        """While the minter is not holding, the desired partitions' next record may be the
+        statement that admits them: a wait watches them too."""
+        return not self.minter_holds()
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         end = super().latestOffset(start, limit)

@@ -1134,6 +1134,11 @@ class HoldingStreamReader(KafkaStreamReader):
         none)."""
         return False
 
+    def held_may_admit(self) -> bool:
+        """Whether a held record may itself be a reason to admit (:meth:`admits` reads the held
+        records): then a wait for records watches the held topic too (default: no)."""
+        return False
+
     def waiting(self, start: Offsets) -> int:
         """Records of the held topic past ``start``, up to the latest ends last looked up."""
         s = start.get(self.held, {})
@@ -1154,9 +1159,12 @@ class HoldingStreamReader(KafkaStreamReader):
         return max(0.0, min(super().wait_budget(), left))
 
     def watched(self) -> dict[tuple[str, int], int]:
-        """While holding, only the other topics: a held record alone makes no micro-batch."""
+        """While holding, only the other topics: a held record alone makes no micro-batch
+        (unless :meth:`held_may_admit`)."""
         w = super().watched()
-        return {tp: e for tp, e in w.items() if tp[0] != self.held} if self.holding() else w
+        if not self.holding() or self.held_may_admit():
+            return w
+        return {tp: e for tp, e in w.items() if tp[0] != self.held}
 
 
 class KafkaDataSource(DataSource):
