@@ -1030,10 +1030,11 @@ class SinkWriter:
         m.buffer_bytes = sum(int(s["buffer_bytes"]) for s in vals)
         unproven = {wp: s["unproven"] for wp, s in self.stats.items() if s.get("unproven")}
         unproven.update(refused)
-        m.history_unproven_partitions = len(unproven)
         if unproven != self.unproven:
             self.unproven = unproven
             self.publish_health()
+        # After the health object: whoever sees the metric finds the health that explains it.
+        m.history_unproven_partitions = len(unproven)
 
     def publish_health(self) -> None:
         from shared.catalog import SinkHealth, put_sink_health
