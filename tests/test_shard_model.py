@@ -96,6 +96,7 @@ class ShardModel(RuleBasedStateMachine):
         self.upper = since
         self.since = since
         self.holds: dict[str, int] = {}
+        self.readers_registered = 0  # reader ids are never reused (see register_reader)
         self.committed: dict[str, tuple[int, int, list[Update]]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
@@ -227,7 +228,10 @@ class ShardModel(RuleBasedStateMachine):
     # -- readers and since -----------------------------------------------------------------
     @rule(kind=st.sampled_from(["critical", "leased"]))
     def register_reader(self, kind: str) -> None:
-        rid = f"r{len(self.holds)}-{kind}"
+        # A fresh id: ``len(self.holds)`` falls back after a release and named a live reader,
+        # whose re-registration keeps its downgraded hold, not the model's since.
+        rid = f"r{self.readers_registered}-{kind}"
+        self.readers_registered += 1
         state = self.sh.register_reader(rid, kind=kind, lease_ms=3_600_000)
         self.holds[rid] = self.since
         hold = state.reader(rid)

@@ -24,10 +24,13 @@ from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produc
 
 class Later:
     """A producer kept open (a new one takes about half a second to connect): ``send`` produces
-    records after a delay, from a thread, and flushes them."""
+    records after a delay, from a thread, and flushes them: one record batch, which the tests
+    rely on (a fetch that ends a wait brings the whole send). The long linger keeps the
+    records of one send together until ``flush`` sends them at once; with ``linger.ms`` 0
+    librdkafka could send the first record alone (measured: about 1 send of 3 records in 300)."""
 
     def __init__(self, bootstrap: str) -> None:
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5000})
 
     def send(self, topic: str, values: list[bytes], after_s: float) -> threading.Thread:
         def run() -> None:
