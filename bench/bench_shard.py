@@ -10,6 +10,12 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   and half under v2 (v1 + a nullable field and a field with a default): the v1 parts are read
   as v2 (target: within 1.5x of snapshot_1m_rows_s; ``mixed_versions_ratio``)
 - batches_after_10k_appends: batch count after 10k appends with compaction on
+- since_trailing_rewrites_per_row: rows rewritten by merges per row appended when since
+  trails the upper by one (moved after each of 200 appends of 100 rows, as a lagging read
+  policy does) and the controller's merge runs at each move (``compact_since_moved``, then
+  the tiered ``compact``); ``since_trailing_s`` the time of the whole run;
+  ``full_collapse_*`` the same with every batch below since merged at each move
+  (``compact_below_since``, what the controller did before)
 
 ``--quick`` shrinks every size (for smoke runs); the figures in BENCHMARKS.md are full runs.
 """
@@ -83,6 +89,30 @@ def rows_table(start: int, n: int, time_: int, diff: int = 1) -> pa.Table:
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def since_trailing(store: S3ObjectStore, shard_id: str, appends: int, rows: int, merge: str) -> tuple[int, float]:
+    """(rows rewritten by merges, seconds) of ``appends`` appends with since one behind the
+    upper after each and ``merge`` (a Shard method) then the tiered compaction at each move."""
+    rewritten = [0]
+
+    class Counting(Shard):
+        def merge_here(self, run, since, schema=None):  # type: ignore[no-untyped-def]
+            rewritten[0] += sum(b.rows for b in run)
+            return super().merge_here(run, since, schema)
+
+    sh = Counting.create(store, shard_id, SCHEMA)
+    sh.register_reader("lag", kind="critical")
+    a = time.perf_counter()
+    for i in range(appends):
+        sh.compare_and_append(rows_table(i * rows, rows, i), i, i + 1)
+        sh.downgrade_since("lag", i)
+        getattr(sh, merge)()
+        sh.compact()
+    seconds = time.perf_counter() - a
+    snap = sh.snapshot(appends - 1)
+    assert snap.num_rows == appends * rows, snap.num_rows
+    return rewritten[0], seconds
 
 
 def main() -> int:
@@ -184,6 +214,15 @@ def main() -> int:
         out["appends_with_compaction_per_s"] = round(n_appends / (time.perf_counter() - a), 1)
         snap = sh.snapshot(n_appends - 1)
         assert snap.num_rows == n_appends, snap.num_rows
+
+        # 5. Write amplification of the merges when since trails the upper.
+        n_trail = 50 if args.quick else 200
+        for name, merge in (("since_trailing", "compact_since_moved"), ("full_collapse", "compact_below_since")):
+            rewritten, seconds = since_trailing(store, f"{name}-{run}", n_trail, 100, merge)
+            out[f"{name}_rewrites_per_row"] = round(rewritten / (n_trail * 100), 2)
+            out[f"{name}_s"] = round(seconds, 2)
+            log(f"{name}: {n_trail} appends of 100 rows, {out[f'{name}_rewrites_per_row']} rewrites per row, "
+                f"{out[f'{name}_s']} s")
 
     out["machine"] = {"cores": os.cpu_count(), "python": platform.python_version(), "pyarrow": pa.__version__}
     out["quick"] = args.quick

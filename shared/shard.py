@@ -92,6 +92,7 @@ from shared.state import (
     apply_register_reader,
     initial_state,
     plan_merge,
+    plan_since_merge,
     validate_append_bounds,
     validate_times,
 )
@@ -1111,7 +1112,9 @@ class Shard:
 
     def compact_below_since(self) -> bool:
         """Merge every batch whose upper is at or below since into one, with times advanced
-        to since: history before since collapses to its consolidated contents."""
+        to since: history before since collapses to its consolidated contents. A full
+        collapse, asked for explicitly: it rewrites all history below since, so a since move
+        merges with :meth:`compact_since_moved` instead."""
         head = self.refresh()
         if head.since.is_empty():
             return False
@@ -1119,6 +1122,18 @@ class Shard:
         if not run or (len(run) == 1 and run[0].since == head.since):
             return False
         run = list(head.batches[: len(run)])
+        return self._apply_merge_of(run, self._merge_run(run, head.since, head.schema))
+
+    def compact_since_moved(self) -> bool:
+        """The merge a since move asks for (the controller's): the balanced run of batches
+        below since (:func:`shared.state.plan_since_merge`), times advanced to since. Each row
+        is rewritten a logarithmic number of times however often since moves, where
+        :meth:`compact_below_since` rewrites all history below since each time."""
+        head = self.refresh()
+        plan = plan_since_merge(head)
+        if plan is None:
+            return False
+        run = head.batches[plan[0] : plan[1]]
         return self._apply_merge_of(run, self._merge_run(run, head.since, head.schema))
 
     # -- drop and garbage collection -------------------------------------------------------

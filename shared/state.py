@@ -552,6 +552,39 @@ def plan_merge(state: ShardState) -> tuple[int, int] | None:
     return None
 
 
+#: A since move merges batches below since only into runs where no batch outweighs the others
+#: together more than this many times (:func:`plan_since_merge`).
+SINCE_MERGE_RATIO = FANOUT
+
+
+def plan_since_merge(state: ShardState, ratio: int = SINCE_MERGE_RATIO) -> tuple[int, int] | None:
+    """The run of batches at or below since that a since move merges, as ``(start, end)``:
+    the longest run ending at the newest such batch in which the heaviest batch weighs at most
+    ``ratio`` times the rest together; None when no run of two or more is that balanced.
+
+    In a balanced run every row moves into a batch at least ``1 + 1/ratio`` times the one it
+    was in, so however often since moves a row is rewritten at most ``log_{1+1/ratio}(rows)``
+    times. Merging every batch below since at every move (:meth:`Shard.compact_below_since`,
+    the explicit full collapse) rewrites the whole history each time: with since trailing the
+    upper, quadratic in the number of appends. A batch left out keeps its own since; readers
+    advance times to the as-of they read at, so its contents are the same."""
+    if state.since.is_empty():
+        return None
+    bs = state.batches
+    end = 0
+    while end < len(bs) and bs[end].upper.less_equal(state.since):
+        end += 1
+    best = None
+    total = heaviest = 0
+    for start in range(end - 1, -1, -1):
+        w = bs[start].weight
+        total += w
+        heaviest = max(heaviest, w)
+        if end - start >= 2 and heaviest <= ratio * (total - heaviest):
+            best = (start, end)
+    return best
+
+
 def apply_merge(
     state: ShardState, replaced_ids: tuple[str, ...], merged: BatchMeta | None, now_ms: int, token: str
 ) -> ShardState:

@@ -77,6 +77,33 @@ def test_worker_collapses_history_below_since_and_keeps_contents() -> None:
         m.stop()
 
 
+def test_worker_leaves_a_heavy_old_batch_alone_when_since_passes_a_few_light_ones() -> None:
+    """A since move merges only a balanced run below since (shared.state.plan_since_merge):
+    the light batches appended since the last collapse merge, the heavy one is not rewritten
+    (it would be at every move: all history below since, each time)."""
+    store = MemoryObjectStore()
+    shard = Shard.create(store, "m", SCHEMA)
+    shard.compare_and_append([({"k": 10_000 + i}, 0, 1) for i in range(1000)], 0, 1)
+    for t in range(1, 4):
+        shard.compare_and_append([({"k": t}, t, 1), ({"k": 1000 + t}, t, 1)], t, t + 1)
+    shard.compare_and_append([], 4, 5)
+    before = _contents(shard, 4)
+    heavy = shard.refresh().batches[0]
+    shard.register_reader("r", kind="critical")
+    shard.downgrade_since("r", 4)
+    m = Maintenance(store, grace_ms=600_000)
+    try:
+        m.request("m", below_since=True, compact=True)
+        _wait(lambda: m.idle() and m.jobs_done >= 1)
+        st = shard.refresh()
+        assert st.batches[0] == heavy, "expected the heavy batch left as it was"
+        assert _below_since(shard) == 2 and st.batches[1].since.time == 4 and st.batches[1].rows == 6
+        assert _contents(shard, 4) == before
+        assert m.errors == 0
+    finally:
+        m.stop()
+
+
 def test_worker_merges_batches_appended_by_others_since_its_last_job() -> None:
     """The tiered compaction plans from the head the loop saw, not from the worker's cached
     head (confirmed only every half grace period): appends by the sink since the worker's

@@ -216,7 +216,8 @@ def test_compaction_as_a_spark_job_keeps_every_readable_snapshot_and_batches_log
     assert len(st.batches) <= bound, f"{len(st.batches)} batches after {APPENDS} appends (bound {bound:.1f})"
     assert controller.jobs()[("merge", "spark")] >= 1, "expected the tiered merges to run on Spark"
 
-    # since moves to upper - 4: history below it collapses into one merged batch, on the cluster.
+    # since moves to upper - 4: the balanced run below it (here all of it, see
+    # shared.state.plan_since_merge) merges into one batch, on the cluster.
     controller.call("SetReadPolicy", {"collection_id": "orders", "policy": lag(4)})
 
     def merged() -> bool:

@@ -36,7 +36,7 @@ from shared.frontier import Frontier
 from shared.io.s3 import S3ObjectStore, S3Settings
 from shared.objectstore import ObjectStore
 from shared.shard import Shard, StagedBatch
-from shared.state import check_invariants
+from shared.state import check_invariants, plan_since_merge
 
 SCHEMA = {
     "type": "record",
@@ -218,6 +218,24 @@ class ShardModel(RuleBasedStateMachine):
         state = self.sh.refresh()
         below = [b for b in state.batches if b.upper.less_equal(state.since)]
         assert len(below) <= 1
+
+    @rule()
+    def compact_since_moved(self) -> None:
+        before = self.sh.refresh()
+        plan = plan_since_merge(before)
+        merged = self.sh.compact_since_moved()
+        after = self.sh.refresh()
+        assert merged == (plan is not None)
+        if plan is not None:  # the run became one batch at since (none if it all cancelled)
+            start, end = plan
+            assert after.batches[:start] == before.batches[:start]
+            if len(after.batches) == len(before.batches) - (end - start):
+                assert after.batches[start:] == before.batches[end:]
+            else:
+                assert after.batches[start + 1 :] == before.batches[end:]
+                assert after.batches[start].since == before.since
+        else:
+            assert after.batches == before.batches
 
     @rule()
     def gc_without_grace_keeps_everything_referenced(self) -> None:

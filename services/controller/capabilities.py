@@ -7,8 +7,8 @@ Contract:
 - state: per open collection a :class:`shared.controller_state.Capabilities` (the implied
   capability of its read policy, and the holds); the controller's critical reader hold on
   the shard is the durable since;
-- outputs: ``downgrade_since`` of the controller's hold; a maintenance request (compact
-  below since, tiered compaction) when since moved or the batch count changed;
+- outputs: ``downgrade_since`` of the controller's hold; a maintenance request (the
+  balanced merge below since, tiered compaction) when since moved or the batch count changed;
 - invariants: since = the meet of the implied capability and every hold (peeks at their
   as-of, subscribes at their progress, sinks at ``upper - 1``), never beyond the upper and
   never backwards. The decisions are pure (:mod:`shared.controller_state`:

@@ -41,7 +41,7 @@ def shard_jobs(jobs: ControllerSpark | None) -> dict[str, Any]:
 class Maintenance:
     """Compaction and gc of shards in one worker thread, off the command loop.
 
-    The loop asks (:meth:`request`); the worker merges (``compact_below_since`` when since
+    The loop asks (:meth:`request`); the worker merges (``compact_since_moved`` when since
     moved, then the tiered ``compact``) and collects garbage. A merge commits only if its
     batches are all still there, so racing appends, other compactors or a drop are safe; a
     failed job is logged and run again after a pause (backoff up to 30 s). At most one job
@@ -126,11 +126,11 @@ class Maintenance:
         # The job was asked for because the loop saw a new head (appends by the sink, a moved
         # since): plan from it, not from this handle's cached head, which is confirmed only
         # every half grace period and would hide those appends from the tiered compaction
-        # (compact_below_since reads the head itself).
+        # (compact_since_moved reads the head itself).
         if not job["below_since"]:
             shard.refresh()
         if job["below_since"]:
-            shard.compact_below_since()
+            shard.compact_since_moved()
         if job["below_since"] or job["compact"]:
             if shard.compact(max_merges=self.max_merges) >= self.max_merges:
                 self.request(cid, compact=True)  # more to merge: yield to other collections
