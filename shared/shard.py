@@ -90,6 +90,7 @@ from shared.state import (
     apply_heartbeat,
     apply_merge,
     apply_register_reader,
+    below_since,
     initial_state,
     plan_merge,
     plan_since_merge,
@@ -1103,8 +1104,7 @@ class Shard:
             plan = plan_merge(head)
             if plan is None:
                 return done
-            run = head.batches[plan[0] : plan[1]]
-            if self._apply_merge_of(run, self._merge_run(run, head.since, head.schema)):
+            if self._merge_at_since(head, head.batches[plan[0] : plan[1]]):
                 done += 1
             else:
                 self.refresh()
@@ -1118,11 +1118,10 @@ class Shard:
         head = self.refresh()
         if head.since.is_empty():
             return False
-        run = [b for b in head.batches if b.upper.less_equal(head.since)]
+        run = head.batches[: below_since(head)]
         if not run or (len(run) == 1 and run[0].since == head.since):
             return False
-        run = list(head.batches[: len(run)])
-        return self._apply_merge_of(run, self._merge_run(run, head.since, head.schema))
+        return self._merge_at_since(head, run)
 
     def compact_since_moved(self) -> bool:
         """The merge a since move asks for (the controller's): the balanced run of batches
@@ -1133,7 +1132,11 @@ class Shard:
         plan = plan_since_merge(head)
         if plan is None:
             return False
-        run = head.batches[plan[0] : plan[1]]
+        return self._merge_at_since(head, head.batches[plan[0] : plan[1]])
+
+    def _merge_at_since(self, head: ShardState, run: Sequence[BatchMeta]) -> bool:
+        """Merge ``run`` (batches of ``head``) at ``head``'s since and swap it in; False when
+        its batches were gone meanwhile."""
         return self._apply_merge_of(run, self._merge_run(run, head.since, head.schema))
 
     # -- drop and garbage collection -------------------------------------------------------

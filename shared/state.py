@@ -552,6 +552,15 @@ def plan_merge(state: ShardState) -> tuple[int, int] | None:
     return None
 
 
+def below_since(state: ShardState) -> int:
+    """How many batches lie at or below since (batches are in time order, so they are the
+    first ones): those whose upper is at or below it."""
+    n = 0
+    while n < len(state.batches) and state.batches[n].upper.less_equal(state.since):
+        n += 1
+    return n
+
+
 #: A since move merges batches below since only into runs where no batch outweighs the others
 #: together more than this many times (:func:`plan_since_merge`).
 SINCE_MERGE_RATIO = FANOUT
@@ -571,9 +580,7 @@ def plan_since_merge(state: ShardState, ratio: int = SINCE_MERGE_RATIO) -> tuple
     if state.since.is_empty():
         return None
     bs = state.batches
-    end = 0
-    while end < len(bs) and bs[end].upper.less_equal(state.since):
-        end += 1
+    end = below_since(state)
     best = None
     total = heaviest = 0
     for start in range(end - 1, -1, -1):

@@ -20,7 +20,7 @@ from services.controller.service import Controller, Maintenance
 from shared.embedded import EmbeddedStack
 from shared.objectstore import FaultPlan, FaultyObjectStore, MemoryObjectStore
 from shared.shard import Shard
-from shared.state import plan_merge
+from shared.state import below_since, plan_merge
 from tests.controller_fixture import (
     append_body,
     client_for,
@@ -50,8 +50,21 @@ def _shard_with_batches(store: Any, n: int) -> Shard:
 
 
 def _below_since(shard: Shard) -> int:
-    st = shard.refresh()
-    return len([b for b in st.batches if b.upper.less_equal(st.since)])
+    return below_since(shard.refresh())
+
+
+def _since_moved(store: Any, shard: Shard, since: int) -> None:
+    """Since moved to ``since`` (a critical reader's hold): the worker's job for it, done
+    without errors."""
+    shard.register_reader("r", kind="critical")
+    shard.downgrade_since("r", since)
+    m = Maintenance(store, grace_ms=600_000)
+    try:
+        m.request(shard.shard_id, below_since=True, compact=True)
+        _wait(lambda: m.idle() and m.jobs_done >= 1)
+        assert m.errors == 0
+    finally:
+        m.stop()
 
 
 def _contents(shard: Shard, as_of: int) -> list[tuple[int, int]]:
@@ -63,18 +76,10 @@ def test_worker_collapses_history_below_since_and_keeps_contents() -> None:
     store = MemoryObjectStore()
     shard = _shard_with_batches(store, 12)
     before = _contents(shard, 12)
-    shard.register_reader("r", kind="critical")
-    shard.downgrade_since("r", 12)
-    m = Maintenance(store, grace_ms=600_000)
-    try:
-        m.request("m", below_since=True, compact=True)
-        _wait(lambda: m.idle() and m.jobs_done >= 1)
-        assert _below_since(shard) == 1, f"expected one batch below since 12, found {_below_since(shard)}"
-        assert shard.refresh().batches[0].since.time == 12
-        assert _contents(shard, 12) == before
-        assert m.errors == 0
-    finally:
-        m.stop()
+    _since_moved(store, shard, 12)
+    assert _below_since(shard) == 1, f"expected one batch below since 12, found {_below_since(shard)}"
+    assert shard.refresh().batches[0].since.time == 12
+    assert _contents(shard, 12) == before
 
 
 def test_worker_leaves_a_heavy_old_batch_alone_when_since_passes_a_few_light_ones() -> None:
@@ -89,19 +94,11 @@ def test_worker_leaves_a_heavy_old_batch_alone_when_since_passes_a_few_light_one
     shard.compare_and_append([], 4, 5)
     before = _contents(shard, 4)
     heavy = shard.refresh().batches[0]
-    shard.register_reader("r", kind="critical")
-    shard.downgrade_since("r", 4)
-    m = Maintenance(store, grace_ms=600_000)
-    try:
-        m.request("m", below_since=True, compact=True)
-        _wait(lambda: m.idle() and m.jobs_done >= 1)
-        st = shard.refresh()
-        assert st.batches[0] == heavy, "expected the heavy batch left as it was"
-        assert _below_since(shard) == 2 and st.batches[1].since.time == 4 and st.batches[1].rows == 6
-        assert _contents(shard, 4) == before
-        assert m.errors == 0
-    finally:
-        m.stop()
+    _since_moved(store, shard, 4)
+    st = shard.refresh()
+    assert st.batches[0] == heavy, "expected the heavy batch left as it was"
+    assert _below_since(shard) == 2 and st.batches[1].since.time == 4 and st.batches[1].rows == 6
+    assert _contents(shard, 4) == before
 
 
 def test_worker_merges_batches_appended_by_others_since_its_last_job() -> None:
