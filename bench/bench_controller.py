@@ -14,7 +14,11 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   merged per second; the controller merges in its process (no Spark master);
   ``compaction_s3_requests_alone_mb_per_s`` the same bytes over the time the merge's S3
   requests take with nothing else to do (every input part read, its bytes written back as 4
-  parts): the ceiling the S3 server puts on the figure
+  parts): the ceiling the S3 server puts on the figure; ``compaction_cpu_s`` the CPU seconds
+  spent from the command to the commit (this process, which runs the controller, less the
+  bench's polling thread, and the stack's S3 server and broker: ``compaction_cpu_s_by_process``), and
+  ``compaction_cpu_bound_mb_per_s`` the bytes over that CPU spread evenly on every core of the
+  machine: the most the figure could reach here, were every core busy with the merge alone
 - compaction_mb_per_s_cluster: the same compaction (after one untimed warm-up compaction)
   with a second controller whose merges are Spark jobs (SHARDSINK_CONTROLLER_SPARK_MASTER,
   threshold 0) on a standalone cluster of 2 workers x 1 core started from the pyspark wheel;
@@ -196,9 +200,12 @@ def bench_subscribe_lag(stack: EmbeddedStack, client: ControllerClient, store: o
 
 
 def bench_compaction(client: ControllerClient, store: object, batches: int, rows: int,
-                     cid: str = "compact", *, s3_alone: bool = False) -> tuple[float, float, float | None]:
-    """(MB/s, rows/s) of merging ``batches`` batches of ``rows`` rows below a moved since, and
-    with ``s3_alone`` the MB/s of the merge's S3 requests alone (:func:`s3_requests_alone`)."""
+                     cid: str = "compact", *, s3_alone: bool = False,
+                     stack: EmbeddedStack | None = None) -> dict[str, Any]:
+    """``mb_per_s`` and ``rows_per_s`` of merging ``batches`` batches of ``rows`` rows below a
+    moved since; with ``s3_alone`` the MB/s of the merge's S3 requests alone
+    (:func:`s3_requests_alone`); with ``stack`` the CPU seconds spent meanwhile
+    (:func:`cpu_seconds`) and the MB/s those allow on this machine's cores."""
     create(client, cid)
     shard = Shard(store, cid)  # type: ignore[arg-type]
     for i in range(batches):
@@ -213,7 +220,9 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     # The controller's tiered compaction may already have merged some: count what is there,
     # then what the since move merged (plan_since_merge: a balanced run below since).
     parts = {p.key: p for b in st.batches for p in b.parts}
+    samples: list[tuple[float, dict[str, float]]] = []
     t0_ms = time.time() * 1000
+    cpu0 = cpu_seconds(stack)
     r = client.call("SetReadPolicy", {"collection_id": cid, "policy": ("io.shardsink.v1.LagWritesBy",
                                                                          {"lag": 0, "granularity": None})},
                     timeout_s=600)
@@ -221,6 +230,8 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     deadline = time.monotonic() + 300
     while True:
         st = shard.refresh()
+        if stack is not None:
+            samples.append((time.time() * 1000, cpu_seconds(stack)))
         merged = [x for x in st.retired if x.key in parts]
         if st.since.time == batches and plan_since_merge(st) is None and merged:
             break
@@ -234,9 +245,30 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     io_s = s3_requests_alone(store, keys, nbytes) if s3_alone else None
     dt = (done_ms - t0_ms) / 1000.0
     mb = nbytes / 1e6
+    out: dict[str, Any] = {"mb_per_s": mb / dt, "rows_per_s": nrows / dt,
+                           "s3_requests_alone_mb_per_s": None if io_s is None else mb / io_s}
+    if stack is not None:
+        # The first sample taken at or after the commit (polls are 50 ms apart: the CPU of up
+        # to one poll interval after it is counted too, an overestimate of at most that).
+        cpu1 = next((c for t, c in samples if t >= done_ms), samples[-1][1])
+        used = {k: round(cpu1[k] - cpu0[k], 3) for k in cpu0 if k in cpu1}
+        total = sum(used.values())
+        cores = os.cpu_count() or 1
+        out |= {"cpu_s": round(total, 3), "cpu_s_by_process": used,
+                "cpu_bound_mb_per_s": mb / (total / cores) if total > 0 else None}
     log(f"compaction {cid}: {mb:.1f} MB, {nrows} rows in {dt:.3f}s ({len(st.batches)} batches left)"
-        + ("" if io_s is None else f"; its S3 requests alone {io_s:.3f}s"))
-    return mb / dt, nrows / dt, None if io_s is None else mb / io_s
+        + ("" if io_s is None else f"; its S3 requests alone {io_s:.3f}s")
+        + ("" if stack is None else f"; CPU {out['cpu_s_by_process']}"))
+    return out
+
+
+def cpu_seconds(stack: EmbeddedStack | None) -> dict[str, float]:
+    """CPU seconds used so far by this process less the calling thread (the controller runs
+    in-process; the bench polls from the calling thread, its own CPU is left out) and by the
+    stack's S3 server and broker (:meth:`EmbeddedStack.cpu_seconds`)."""
+    if stack is None:
+        return {}
+    return {"controller": time.process_time() - time.thread_time(), **stack.cpu_seconds()}
 
 
 def s3_requests_alone(store: object, keys: list[str], nbytes: int) -> float:
@@ -278,7 +310,7 @@ def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> f
         client = ControllerClient(svc.kafka, commands_topic=cs.commands_topic, responses_topic=cs.responses_topic)
         try:
             bench_compaction(client, svc.store(), batches, max(rows // 10, 1), "warm-up")
-            out = bench_compaction(client, svc.store(), batches, rows, "compact-cluster")[0]
+            out = float(bench_compaction(client, svc.store(), batches, rows, "compact-cluster")["mb_per_s"])
             assert controller.spark_jobs is not None
             jobs = dict(controller.spark_jobs.jobs)
             log(f"controller jobs on the cluster: {jobs}")
@@ -344,6 +376,10 @@ def bench_idle(stack: EmbeddedStack, collections: int, seconds: float = 5.0) -> 
     return out
 
 
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -366,7 +402,8 @@ def main() -> int:
         try:
             peek_s = bench_peek(client, store, peek_rows)
             p50, p99 = bench_subscribe_lag(stack, client, store, lag_n)
-            comp, comp_rows, comp_s3 = bench_compaction(client, store, 20, comp_n, s3_alone=True)
+            compaction = bench_compaction(client, store, 20, comp_n, s3_alone=True, stack=stack)
+            comp = compaction["mb_per_s"]
         finally:
             controller.stop()
             client.close()
@@ -379,8 +416,11 @@ def main() -> int:
         "subscribe_lag_p50_s": round(p50, 4),
         "subscribe_lag_p99_s": round(p99, 4),
         "compaction_mb_per_s": round(comp, 2),
-        "compaction_s3_requests_alone_mb_per_s": None if comp_s3 is None else round(comp_s3, 2),
-        "compaction_rows_per_s": round(comp_rows),
+        "compaction_s3_requests_alone_mb_per_s": _round(compaction["s3_requests_alone_mb_per_s"], 2),
+        "compaction_cpu_s": compaction.get("cpu_s"),
+        "compaction_cpu_s_by_process": compaction.get("cpu_s_by_process"),
+        "compaction_cpu_bound_mb_per_s": _round(compaction.get("cpu_bound_mb_per_s"), 2),
+        "compaction_rows_per_s": round(compaction["rows_per_s"]),
         "compaction_rows": 20 * comp_n,
         "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),
         "compaction_cluster_vs_local": None if comp_cluster is None else round(comp_cluster / comp, 3),

@@ -91,6 +91,7 @@ class EmbeddedStack:
     s3_port: int = 0
     log_dir: Path | None = None
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    _roles: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
     _tmp: str | None = field(default=None, repr=False)
 
     # -- addresses -------------------------------------------------------------------------
@@ -151,6 +152,7 @@ class EmbeddedStack:
             [sys.executable, "-m", "shared.io.moto_server", "127.0.0.1", str(self.s3_port)],
             logs / "moto.log",
         )
+        self._roles["s3"] = proc
         _wait_tcp(self.s3_port, proc, "the moto S3 server", timeout_s)
         import boto3
         from botocore.config import Config
@@ -191,6 +193,7 @@ class EmbeddedStack:
             logs / "tansu.log",
             env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
         )
+        self._roles["kafka"] = proc
         _wait_tcp(self.kafka_port, proc, "the Tansu broker", timeout_s)
         from confluent_kafka.admin import AdminClient
 
@@ -205,8 +208,22 @@ class EmbeddedStack:
                     raise EmbeddedStackError(f"the Tansu broker did not answer metadata: {e}") from e
                 time.sleep(0.1)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each server of the stack has used so far: ``s3`` and
+        ``kafka``; empty where ``/proc`` is not there to read them (not Linux)."""
+        out: dict[str, float] = {}
+        for role, p in self._roles.items():
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
     def stop(self) -> None:
         procs, self._procs = self._procs, []
+        self._roles = {}
         for p in procs:
             if p.poll() is None:
                 try:
