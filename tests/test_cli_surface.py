@@ -467,6 +467,24 @@ def test_up_refuses_a_busy_port_in_one_line_and_prints_no_environment(stack: Emb
     assert "make up ARGS='--kafka-port" in (ROOT / "README.md").read_text()
 
 
+def test_embedded_stack_reports_the_cpu_its_servers_use(stack: EmbeddedStack, s3_client: Any) -> None:
+    """What bench-controller's compaction_cpu_s adds up: the S3 server's CPU grows with the
+    requests it serves, each server's only goes up, and a stopped stack reports none."""
+    before = stack.cpu_seconds()
+    assert set(before) == {"s3", "kafka"} and all(v >= 0 for v in before.values()), before
+    key = f"cpu-{uuid.uuid4().hex}"
+    s3_client.put_object(Bucket=stack.bucket, Key=key, Body=os.urandom(1 << 20))
+    after = before
+    for _ in range(200):  # the kernel counts CPU in clock ticks (10 ms): serve until one passes
+        s3_client.get_object(Bucket=stack.bucket, Key=key)["Body"].read()
+        after = stack.cpu_seconds()
+        if after["s3"] > before["s3"]:
+            break
+    s3_client.delete_object(Bucket=stack.bucket, Key=key)
+    assert after["s3"] > before["s3"] and after["kafka"] >= before["kafka"], (before, after)
+    assert EmbeddedStack().cpu_seconds() == {}
+
+
 # ==================================================================================================
 # 6: reading commands create nothing; a missing catalog, bucket or endpoint is one line
 # ==================================================================================================
