@@ -14,9 +14,9 @@ COPY services ./services
 COPY schemas ./schemas
 RUN pip install --no-cache-dir .
 # The services' Hadoop jar (local files without a chmod process each), then the driver JVM's
-# class-data archive (services/jvm.py): a service's SparkSession starts 3-4 s sooner with it.
+# class-data archive (services/runtime/jvm.py): a service's SparkSession starts 3-4 s sooner with it.
 # Built for this image's JDK and jars; a service starts without them if the build fails.
-RUN python -m services.jvm build || echo "no class-data archive: services start without it"
+RUN python -m services.runtime.jvm build || echo "no class-data archive: services start without it"
 
 ENV PYSPARK_PYTHON=python3 \
     SHARDSINK_SCHEMAS_DIR=/app/schemas \

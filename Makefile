@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet -e '.[test]'
-	$(VPY) -m services.jvm build || echo "no class-data archive: Spark drivers start without it"
+	$(VPY) -m services.runtime.jvm build || echo "no class-data archive: Spark drivers start without it"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,7 +32,7 @@ test-fast: $(STAMP)
 
 ## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground (ARGS='--kafka-port N --s3-port M')
 up: $(STAMP)
-	$(VPY) -m shared.embedded $(ARGS)
+	$(VPY) -m shared.devstack $(ARGS)
 
 ## make bench-shard: shard storage layer benchmark (last line: JSON figures)
 bench-shard: $(STAMP)

@@ -58,11 +58,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from confluent_kafka import TopicPartition  # noqa: E402
 
-from services.common import ServiceSettings  # noqa: E402
+from services.runtime.settings import ServiceSettings
 from services.controller.client import ControllerClient, body_kind  # noqa: E402
 from services.controller.service import Controller, ControllerSettings  # noqa: E402
 from shared.codec import message_codec  # noqa: E402
-from shared.embedded import EmbeddedStack  # noqa: E402
+from shared.devstack.embedded import EmbeddedStack  # noqa: E402
 from shared.io.kafka import new_consumer  # noqa: E402
 from shared.shard import Shard  # noqa: E402
 from shared.state import plan_merge, plan_since_merge  # noqa: E402
@@ -124,7 +124,7 @@ def bench_peek(client: ControllerClient, store: object, rows: int) -> float:
 def bench_spark_read(store_settings: object, rows: int) -> float:
     from pyspark.sql import SparkSession
 
-    from shared.io.spark_shardsink import read_collection
+    from shared.spark.shardsink_source import read_collection
 
     spark = (SparkSession.builder.master("local[2]").appName("bench-spark-read")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
@@ -297,7 +297,7 @@ def bench_compaction_cluster(stack: EmbeddedStack, batches: int, rows: int) -> f
     from dataclasses import replace
 
     from services.controller.spark_jobs import SparkJobSettings
-    from shared.embedded import SparkStandalone
+    from shared.devstack.embedded import SparkStandalone
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     with SparkStandalone(workers=2, cores=1) as cluster:

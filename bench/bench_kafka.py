@@ -38,9 +38,9 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
-from shared.embedded import EmbeddedStack  # noqa: E402
+from shared.devstack.embedded import EmbeddedStack  # noqa: E402
 from shared.io.kafka import KafkaSettings, end_offsets  # noqa: E402
-from shared.io.spark_kafka import kafka_read_stream, kafka_write_stream  # noqa: E402
+from shared.spark.kafka import kafka_read_stream, kafka_write_stream  # noqa: E402
 
 PARTITIONS = 4
 

@@ -193,7 +193,7 @@ def cluster_curve(settings: Any, env: dict[str, str], work: Path, run: str, n: i
     import signal
     import subprocess
 
-    from shared.embedded import SparkStandalone
+    from shared.devstack.embedded import SparkStandalone
 
     points = []
     for workers in (0, 1, 2):
@@ -236,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help="comma-separated sizes (default 10000,100000,1000000; quick 10000,100000)")
     args = ap.parse_args(argv)
 
-    from services.common import ServiceSettings, spark_session
+    from services.runtime.settings import ServiceSettings
+    from services.runtime.spark import spark_session
     from services.runner import Services
-    from shared.embedded import EmbeddedStack
+    from shared.devstack.embedded import EmbeddedStack
 
     def ints(text: str | None, full: str, quick: str) -> list[int]:
         return [int(x) for x in (text or (quick if args.quick else full)).split(",") if x]

@@ -36,7 +36,7 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.embedded import EmbeddedStack  # noqa: E402
+from shared.devstack.embedded import EmbeddedStack  # noqa: E402
 from shared.io.s3 import S3ObjectStore, S3Settings  # noqa: E402
 from shared.shard import Shard  # noqa: E402
 

@@ -17,7 +17,7 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   burst to the next.
 - ``baseline_updates_per_s``: the same measurement for plain Spark Structured Streaming on
   the same desired topic, in the same run: our Kafka source
-  (``shared.io.spark_kafka.kafka_read_stream``), same Spark settings, trigger and wait for
+  (``shared.spark.kafka.kafka_read_stream``), same Spark settings, trigger and wait for
   records (``SHARDSINK_SOURCE_WAIT_MS``) as the services, and a ``foreachBatch`` that
   converts the micro-batch with ``toArrow()`` and PUTs it as one Parquet object with boto3
   to the same S3 server (the pyspark wheel has no hadoop-aws, so
@@ -82,7 +82,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from shared.embedded import process_stat  # noqa: E402
+from shared.devstack.embedded import process_stat  # noqa: E402
 from upper_watch import AnnouncedUpperWatch  # noqa: E402
 
 SCHEMA = {
@@ -258,8 +258,9 @@ def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
     import boto3
     import pyarrow.parquet as pq
 
-    from services.common import ServiceSettings, spark_session
-    from shared.io.spark_kafka import kafka_read_stream
+    from services.runtime.settings import ServiceSettings
+    from services.runtime.spark import spark_session
+    from shared.spark.kafka import kafka_read_stream
 
     settings = ServiceSettings.from_env_and_args(None)
     spark = spark_session(settings, "bench-baseline")
@@ -411,10 +412,10 @@ def main() -> int:
         return baseline_worker(*args.baseline_worker)
 
     from shardsink.cli.catalog import create_collection
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
     from services.runner import ensure_control_topics
     from shared.catalog import SinkDef
-    from shared.embedded import EmbeddedStack
+    from shared.devstack.embedded import EmbeddedStack
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic
     from shared.shard import Shard

@@ -13,7 +13,7 @@ What runs (all on one embedded stack, Tansu + moto):
 - a subscribe through the controller (``Subscribe`` command) to an output topic;
 - SIGKILLs of randomly chosen services at random times (the victim restarts after a random
   pause; a process that exits by itself is restarted too and counted);
-- injected faults in every service (``SHARDSINK_FAULTS``, see services/common.py): S3
+- injected faults in every service (``SHARDSINK_FAULTS``, see services/runtime/settings.py): S3
   errors, timeouts, PUTs that land and report a timeout, latency, and control-message
   delivery errors (dropped, or delivered but reported failed).
 
@@ -280,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"seed {args.seed}, {kills_wanted} kills, layout {layout}, faults {args.faults!r}, work dir {work}")
 
     from shardsink.cli.catalog import create_collection
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
     from services.controller.client import ControllerClient
     from services.runner import ensure_control_topics
     from shared.catalog import SinkDef
-    from shared.embedded import EmbeddedStack
+    from shared.devstack.embedded import EmbeddedStack
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic
     from shared.shard import Shard

@@ -49,10 +49,12 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from shardsink.cli.catalog import create_collection
-    from services.common import ServiceSettings, configure_logging, spark_session
+    from services.runtime.settings import ServiceSettings
+    from services.runtime.logs import configure_logging
+    from services.runtime.spark import spark_session
     from services.runner import Services
     from shared.catalog import SinkDef
-    from shared.embedded import EmbeddedStack
+    from shared.devstack.embedded import EmbeddedStack
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic
     from shared.shard import Shard

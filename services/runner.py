@@ -5,7 +5,7 @@ Kubernetes use), or all three in one Spark application (the embedded default: on
     python -m services          # all three in one application
     spark-submit services/mint/__main__.py --bootstrap ... --bucket ...
 
-The same code runs in both modes: each service is a :class:`services.common.Supervisor`
+The same code runs in both modes: each service is a :class:`services.runtime.supervisor.Supervisor`
 that follows the catalog and runs one streaming query per sink.
 """
 
@@ -20,14 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common import (
-    ServiceSettings,
-    Supervisor,
-    configure_logging,
-    remove_checkpoints,
-    spark_session,
-    wait_forever,
-)
+from services.runtime.settings import ServiceSettings
+from services.runtime.supervisor import Supervisor, wait_forever
+from services.runtime.logs import configure_logging
+from services.runtime.checkpoints import remove_checkpoints
+from services.runtime.spark import spark_session
 from shared.catalog import SinkDef
 
 log = logging.getLogger("shardsink")
@@ -125,7 +122,7 @@ class Services:
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
             registry.clear()
-        from shared.io.spark_kafka import close_pooled_consumers
+        from shared.spark.kafka import close_pooled_consumers
 
         close_pooled_consumers()  # mint's and append's reads on the driver
         gc.collect()
@@ -143,11 +140,11 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     log.info("settings: kafka %s, %r, checkpoints %s", settings.kafka.bootstrap, settings.s3, settings.checkpoint_dir)
     spark = spark_session(settings, f"shardsink-{'-'.join(names)}")
-    from services.warmup import warm_up
+    from services.runtime.warmup import warm_up
 
     warm_up(spark)  # the queries' Python workers start while the services set up
     services = Services(settings, spark, tuple(names)).start()
-    from services.metrics import start_metrics
+    from services.runtime.metrics import start_metrics
 
     start_metrics(services)
     log.info("running %s", ", ".join(names))

@@ -21,7 +21,7 @@ KIND_PROGRESS = "progress"
 KIND_BAD = "bad"
 KIND_CONTROL = "control"
 #: History lost to retention (write service): ``frontier`` = first lost offset, ``time`` = the
-#: first offset still available (see ``historyGapTopics`` in shared.io.spark_kafka).
+#: first offset still available (see ``historyGapTopics`` in shared.spark.kafka).
 KIND_GAP = "gap"
 #: An update whose row is single-object encoded with a writer schema the decoder does not know
 #: (the write service's decode, with ``route_to``): ``row`` holds the bytes as produced, with
@@ -98,7 +98,7 @@ def decode_partition(
     row is a ``bad`` record, as is any row that is not single-object encoded.
 
     ``executor``: the function runs in a Spark worker (it settles the worker's heap first,
-    :mod:`shared.io.worker_heap`); False when it runs on the driver.
+    :mod:`shared.spark.worker_heap`); False when it runs on the driver.
 
     Decoding is vectorised (:class:`DesiredDecoder`): messages framed with the current desired
     schema, and rows framed with the collection's current schema, are decoded and re-encoded a
@@ -109,7 +109,7 @@ def decode_partition(
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         if executor:
-            from shared.io.worker_heap import settle
+            from shared.spark.worker_heap import settle
 
             settle()
         decoder = DesiredDecoder(
@@ -463,7 +463,7 @@ def _quarantined(topic: str, part: int, off: int, why: str, row: bytes | None, c
 
 def _gap(headers: Any) -> tuple[int, int] | None:
     """``(first lost offset, first available offset)`` of a source's history-gap marker."""
-    from shared.io.spark_kafka import HISTORY_GAP_HEADER
+    from shared.spark.kafka import HISTORY_GAP_HEADER
 
     for h in headers or ():
         if h["key"] == HISTORY_GAP_HEADER:
@@ -503,11 +503,11 @@ def planned_ranges(
     """``(topic, partition, start, end)`` of micro-batch ``batch_id`` of a query reading
     ``shardsink-kafka``, from the offsets Spark logged for the batch (``end``, when the caller
     read them already) and the one before it (``files``: the query's
-    :class:`services.driver_state.CheckpointFiles`). None when the log does not hold both (the
+    :class:`services.runtime.driver_state.CheckpointFiles`). None when the log does not hold both (the
     first batch of a checkpoint starts at the source's initial offsets, which Spark does not
     log): read the batch's DataFrame then."""
-    from services.driver_state import planned_offsets
-    from shared.io.spark_kafka import offsets_from_json, pending
+    from services.runtime.driver_state import planned_offsets
+    from shared.spark.kafka import offsets_from_json, pending
 
     end = end if end is not None else planned_offsets(files, batch_id)
     start = planned_offsets(files, batch_id - 1) if batch_id > 0 else None
@@ -521,7 +521,7 @@ def read_ranges(
 ) -> pa.Table:
     """The records of ``ranges`` read on the driver (columns ``topic, partition, offset,
     value``); ``skip_prefixes`` as the source's ``skipValuePrefixes``."""
-    from shared.io.spark_kafka import read_range
+    from shared.spark.kafka import read_range
 
     skip = skip_prefixes or {}
     tables: list[pa.Table] = []
@@ -579,7 +579,7 @@ def _tail_windows(
 ) -> list[tuple[pa.Table, pa.Table]]:
     """The windows of :func:`read_latest_progress`, raw and decoded, in the order read (from
     the end back): only the last one read can hold a progress statement."""
-    from shared.io.spark_kafka import read_range
+    from shared.spark.kafka import read_range
 
     windows: list[tuple[pa.Table, pa.Table]] = []
     hi, size = end, LATEST_PROGRESS_WINDOW
@@ -653,9 +653,9 @@ class ControlProducer:
         controller, whose subscribers delete their output topics)."""
         from confluent_kafka import Producer
 
-        from services.common import faults_from_env
-
         import logging
+
+        from services.runtime.settings import faults_from_env
 
         # librdkafka's own log lines go through Python logging (delivered on poll/flush) rather
         # than straight to stderr, so a producer outliving its broker does not spam the console.

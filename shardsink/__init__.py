@@ -79,12 +79,12 @@ from shared.errors import (
 
 if TYPE_CHECKING:
     from shared.io.client import Change, Collection, ErrorRow, Progress, Subscription, open_collection
-    from shared.io.spark_shardsink import read_collection
-    from shared.io.spark_shardsink import register_shardsink_source as register_spark_source
+    from shared.spark.shardsink_source import read_collection
+    from shared.spark.shardsink_source import register_shardsink_source as register_spark_source
 
 #: Names served lazily from ``shared.io.client`` (it imports boto3 and pyarrow).
 _CLIENT = ("Change", "Collection", "ErrorRow", "Progress", "Subscription", "open_collection")
-#: Names served lazily from ``shared.io.spark_shardsink`` (it imports pyspark).
+#: Names served lazily from ``shared.spark.shardsink_source`` (it imports pyspark).
 _SPARK = {"read_collection": "read_collection", "register_spark_source": "register_shardsink_source"}
 
 __all__ = [
@@ -150,7 +150,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in _SPARK:
-        from shared.io import spark_shardsink
+        from shared.spark import shardsink_source as spark_shardsink
 
         value = getattr(spark_shardsink, _SPARK[name])
         globals()[name] = value

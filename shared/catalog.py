@@ -120,7 +120,7 @@ class SinkDef:
     dropped: bool = False
     epoch: int = 0
     #: The writer takes the shard's contents at its first start as the desired baseline
-    #: (the operator's answer to lost desired history; see README "Retention safety").
+    #: (the operator's answer to lost desired history; see docs/operations.md, "Retention safety").
     adopt_shard: bool = False
 
     def definition(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from shared.embedded import EmbeddedStack, SparkStandalone
+from shared.devstack.embedded import EmbeddedStack, SparkStandalone
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -47,7 +47,7 @@ def s3_client(stack: EmbeddedStack) -> Any:
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
-    from services.common import with_service_defaults
+    from services.runtime.spark import with_service_defaults
 
     warehouse = tmp_path_factory.mktemp("spark-warehouse")
     session = (

@@ -1,7 +1,7 @@
 """The append query's source holds ``descs`` back until reports arrive
 (:mod:`services.append.source`), against the real broker: ``latestOffset`` admits the
 descriptions together with news on ``batches``, and at least every
-``shared.io.spark_kafka.ADMIT_EVERY_S``;
+``shared.spark.kafka.ADMIT_EVERY_S``;
 otherwise it keeps their offsets where they were, and they stay for the next admitted
 micro-batch."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import services.append.source as aps
-from shared.embedded import EmbeddedStack
-from shared.io.spark_kafka import ADMIT_EVERY_S
+from shared.devstack.embedded import EmbeddedStack
+from shared.spark.kafka import ADMIT_EVERY_S
 from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 

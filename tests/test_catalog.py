@@ -17,7 +17,7 @@ from shared.catalog import (
     UnknownCollectionError,
     UnknownSinkError,
 )
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import InvalidUsageError
 from shared.io.s3 import S3ObjectStore, S3Settings
 
@@ -114,7 +114,8 @@ def test_catalog_state_round_trips() -> None:
 
 def test_supervisor_backs_off_a_failing_query_and_stops_dropped_ones(stack: EmbeddedStack, unique_id: str) -> None:
     """A query that keeps failing is restarted with growing delays, not on every poll."""
-    from services.common import ServiceSettings, Supervisor
+    from services.runtime.settings import ServiceSettings
+    from services.runtime.supervisor import Supervisor
 
     settings = ServiceSettings.from_env_and_args(None, {**stack.env(), "SHARDSINK_S3_PREFIX": f"sup-{unique_id}"})
     cat = settings.catalog()
@@ -152,7 +153,8 @@ def test_supervisor_backs_off_a_failing_query_and_stops_dropped_ones(stack: Embe
 def test_supervisor_stops_a_dropped_sinks_query_once_its_sources_are_up(stack: EmbeddedStack, unique_id: str) -> None:
     """A query stopped while Spark starts its sources' Python processes leaves them unable to
     connect back (a traceback each on stderr): a sink dropped then is stopped a poll later."""
-    from services.common import ServiceSettings, Supervisor
+    from services.runtime.settings import ServiceSettings
+    from services.runtime.supervisor import Supervisor
 
     settings = ServiceSettings.from_env_and_args(None, {**stack.env(), "SHARDSINK_S3_PREFIX": f"sup-init-{unique_id}"})
     cat = settings.catalog()

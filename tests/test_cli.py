@@ -28,7 +28,7 @@ from shardsink.cli.util import ProgressBar
 from shared.codec import RowCodec
 from shared.controller_state import ControllerSection
 from shared.desired import DesiredProgress, DesiredUpdate, decode_desired
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.kafka import new_consumer
 from shared.shard import Shard
 from tests.controller_fixture import SCHEMA, Model, append_body, client_for, controller_settings, ok
@@ -312,7 +312,7 @@ def test_cli_produce_csv_and_jsonl_to_the_desired_topic(env: ControllerSettings,
 
 
 def _read_desired(stack: EmbeddedStack, topic: str, partitions: int, expected: int) -> list[Any]:
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
 
     c = new_consumer(ServiceSettings.from_env_and_args(None, stack.env()).kafka, **{"auto.offset.reset": "earliest"})
     c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])

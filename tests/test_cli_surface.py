@@ -27,7 +27,7 @@ from confluent_kafka import TopicPartition
 from services.controller.client import ControllerClient
 from services.controller.service import Controller, ControllerSettings
 from shared.desired import DesiredProgress, DesiredUpdate, decode_desired
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.kafka import new_consumer
 from tests.controller_fixture import SCHEMA, client_for, controller_settings
 
@@ -99,7 +99,7 @@ def _lines(path: Path, *objs: Any) -> str:
 
 def _topic_messages(stack: EmbeddedStack, topic: str, partitions: int, expected: int, settle_s: float = 1.0) -> list[Any]:
     """Every desired message on the topic (waits for ``expected``, then ``settle_s`` more for extras)."""
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
 
     c = new_consumer(ServiceSettings.from_env_and_args(None, stack.env()).kafka, **{"auto.offset.reset": "earliest"})
     c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -463,7 +463,7 @@ def test_up_refuses_a_busy_port_in_one_line_and_prints_no_environment(stack: Emb
     assert p.stderr == (f"error: EmbeddedStackError: expected port {port} (Kafka) free on 127.0.0.1, found it in "
                         f"use; choose another with --kafka-port N (make up ARGS='--kafka-port N')\n")
     makefile = (ROOT / "Makefile").read_text()
-    assert "$(VPY) -m shared.embedded $(ARGS)" in makefile
+    assert "$(VPY) -m shared.devstack $(ARGS)" in makefile
     assert "make up ARGS='--kafka-port" in (ROOT / "README.md").read_text()
 
 

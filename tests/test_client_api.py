@@ -15,7 +15,7 @@ import pytest
 
 from services.controller.client import ControllerClient
 from services.controller.service import Controller, ControllerSettings
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.s3 import S3Settings
 from shared.shard import Shard
 from shardsink import (

@@ -12,7 +12,7 @@ import pytest
 
 from services.controller.client import ControllerClient, body_kind
 from services.controller.service import Controller, ControllerSettings
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.shard import Shard
 from shared.state import plan_merge, plan_since_merge
 from tests.controller_fixture import (

@@ -17,8 +17,9 @@ import pytest
 
 from services.controller.client import body_kind
 from services.controller.service import Controller, Maintenance
-from shared.embedded import EmbeddedStack
-from shared.objectstore import FaultPlan, FaultyObjectStore, MemoryObjectStore
+from shared.devstack.embedded import EmbeddedStack
+from shared.devstack.faults import FaultPlan, FaultyObjectStore
+from shared.objectstore import MemoryObjectStore
 from shared.shard import Shard
 from shared.state import below_since, plan_merge
 from tests.controller_fixture import (
@@ -194,7 +195,7 @@ def test_a_large_subscribe_step_completes_exactly_once_under_delivery_faults(sta
     in order, and other subscribes' messages on the same topic are left alone."""
     from confluent_kafka import Producer
 
-    from services.common import _FaultyProducer
+    from shared.devstack.faults import _FaultyProducer
     from services.sinkio import ControlProducer
     from shared.io.kafka_admin import ensure_topic
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from services.controller.client import body_kind
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.shard import Shard
 from tests.controller_fixture import (
     Model,

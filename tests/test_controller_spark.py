@@ -40,11 +40,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.common import ServiceSettings
+from services.runtime.settings import ServiceSettings
 from services.controller.client import ControllerClient, body_kind
 from services.controller.subscribes import SubscribesRoom, encode_changes
 from shared.codec import RowCodec, message_codec
-from shared.embedded import EmbeddedStack, SparkStandalone, free_port
+from shared.devstack.embedded import EmbeddedStack, SparkStandalone, free_port
 from shared.frontier import Frontier
 from shared.io.kafka_admin import ensure_topic
 from shared.shard import DIFF, ERROR, Shard

@@ -37,7 +37,7 @@ def test_the_demo_passes_and_its_stderr_holds_no_java_trace_or_kafka_noise() -> 
     assert traces == [], "\n".join(err[:80])
     kafka = [line for line in err if "|FAIL|" in line or "Connection refused" in line]
     assert kafka == [], "\n".join(kafka[:10])
-    # No JVM notice (the incubating vector module Spark's launcher adds: services/jvm.py
+    # No JVM notice (the incubating vector module Spark's launcher adds: services/runtime/jvm.py
     # filters it); what is left are the services' own start lines (one per query).
     assert not [line for line in err if "incubator" in line], "\n".join(err)
     assert len(err) <= 8, "\n".join(err)

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.common import REQUIRED_ENV, ServiceSettings, is_known_env
-from shared.embedded import EmbeddedStack, SparkStandalone, free_port
+from services.runtime.settings import REQUIRED_ENV, ServiceSettings, is_known_env
+from shared.devstack.embedded import EmbeddedStack, SparkStandalone, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -364,22 +364,22 @@ SET_BY_SPARK = {"PYSPARK_GATEWAY_PORT"}
 def test_every_variable_the_controller_reads_is_known() -> None:
     """The deployment checks above know every setting the controller reads: each variable
     named in the project modules a controller process loads (its command loop, its Spark jobs,
-    the services' common code, the shard and I/O layers) is in ``services.common.ENV_VARS``."""
+    the services' common code, the shard and I/O layers) is in ``services.runtime.settings.ENV_VARS``."""
     probe = (
-        "import sys, services.controller.__main__, services.controller.spark_jobs, services.metrics, services.jvm;"
+        "import sys, services.controller.__main__, services.controller.spark_jobs, services.runtime.metrics, services.runtime.jvm;"
         "print('\\n'.join(sorted(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None))))"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     files = [Path(f).resolve() for f in out.split()]
     files = [f for f in files if f.is_relative_to(ROOT) and f.relative_to(ROOT).parts[0] in ("services", "shared", "shardsink")]
-    assert ROOT / "services" / "controller" / "__main__.py" in files and ROOT / "services" / "jvm.py" in files
+    assert ROOT / "services" / "controller" / "__main__.py" in files and ROOT / "services" / "runtime" / "jvm.py" in files
     names: dict[str, str] = {}
     for f in files:
         for name in re.findall(r"[\"'`]((?:SHARDSINK|PYSPARK|AWS|POD)_[A-Z0-9_]*[A-Z0-9])[\"'`]", f.read_text()):
             names.setdefault(name, str(f.relative_to(ROOT)))
     assert "SHARDSINK_CONTROLLER_SPARK_MASTER" in names and "SHARDSINK_GC_INTERVAL_MS" in names
     unknown = {n: f for n, f in names.items() if not is_known_env(n) and n not in SET_BY_SPARK}
-    assert unknown == {}, f"variables read by the controller and missing from services.common.ENV_VARS: {unknown}"
+    assert unknown == {}, f"variables read by the controller and missing from services.runtime.settings.ENV_VARS: {unknown}"
 
 
 def test_dockerfile_copies_what_the_services_import_and_sets_known_settings() -> None:

@@ -19,7 +19,7 @@ from shared.desired import (
     decode_desired,
     row_partition,
 )
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import ContractViolationError, EncodeError, KafkaDeliveryError, UnknownTopicError
 from shared.frontier import Frontier
 from shared.io.desired_producer import DesiredProducer

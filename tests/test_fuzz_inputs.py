@@ -36,7 +36,7 @@ from services.controller.service import Controller, ControllerSettings
 from services.sinkio import DECODED_SCHEMA, KIND_BAD, KIND_PROGRESS, KIND_UPDATE, decode_partition
 from shared.codec import RowCodec, message_codec
 from shared.desired import DesiredProgress, DesiredUpdate, decode_desired, encode_progress, encode_update
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import DecodeError, EncodeError
 from shared.frontier import Frontier
 from shared.shard import Shard

@@ -1,4 +1,4 @@
-"""``services.common.interruptible``: a foreachBatch function interrupted by its query's stop
+"""``services.runtime.supervisor.interruptible``: a foreachBatch function interrupted by its query's stop
 reaches Spark as a short error that Spark's own check recognises, instead of a text long
 enough to overflow the stack of that check's regex."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from services.common import QueryInterruptedError, interruptible
+from services.runtime.supervisor import QueryInterruptedError, interruptible
 
 #: Spark 4.3's StreamExecution.isInterruptionException pattern (from spark-sql's class file),
 #: with Python's re standing in for java.util.regex.
@@ -76,7 +76,7 @@ class FakeClosedFileSystemError(Exception):
 
 
 def test_any_error_while_the_supervisor_stops_the_query_is_that_stop() -> None:
-    from services import common
+    from services.runtime import supervisor as common
 
     def each(_df: Any, _batch_id: int) -> None:
         raise FakeClosedFileSystemError()
@@ -99,8 +99,8 @@ def test_any_error_while_the_supervisor_stops_the_query_is_that_stop() -> None:
 
 
 def test_the_supervisor_marks_a_query_as_stopping_only_while_it_stops_it() -> None:
-    from services import common
-    from services.common import SinkRunner, Supervisor
+    from services.runtime import supervisor as common
+    from services.runtime.supervisor import SinkRunner, Supervisor
 
     seen: list[bool] = []
 

@@ -1,10 +1,10 @@
-"""The driver JVM options the services add (``services.jvm.driver_java_options``)."""
+"""The driver JVM options the services add (``services.runtime.jvm.driver_java_options``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.jvm import ARCHIVE, driver_java_options
+from services.runtime.jvm import ARCHIVE, driver_java_options
 from shared.errors import InvalidUsageError
 
 
@@ -34,7 +34,7 @@ def test_a_launched_jvm_writes_stderr_without_the_incubator_notice_and_nothing_e
     assert java is not None
     script = f"""
 import subprocess, sys, time
-from services.jvm import jvm_stderr_filtered
+from services.runtime.jvm import jvm_stderr_filtered
 print("parent before", file=sys.stderr, flush=True)
 with jvm_stderr_filtered():
     subprocess.run([{java!r}, "--add-modules=jdk.incubator.vector", "-version"], check=True)
@@ -61,7 +61,7 @@ def test_local_files_get_their_permissions_through_java_nio_in_the_services_sess
     import os
     import stat
 
-    from services.jvm import HADOOP_JAR, NIO_FILE_SYSTEM, _javac, hadoop_jar
+    from services.runtime.jvm import HADOOP_JAR, NIO_FILE_SYSTEM, _javac, hadoop_jar
 
     if _javac() is None:
         pytest.skip("no JDK here: the services run with Hadoop's own local file system")

@@ -8,7 +8,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import KafkaConfigError, UnknownTopicError
 from shared.io.kafka import KafkaSettings, OffsetProbe, end_offsets, env_options, partitions_of
 

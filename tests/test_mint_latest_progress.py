@@ -15,10 +15,10 @@ import services.sinkio as sinkio
 from services.sinkio import KIND_PROGRESS, decode_on_driver, read_latest_progress
 from shared.codec import MARKER, RowCodec, message_codec
 from shared.desired import encode_progress, encode_update
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.frontier import Frontier
 from shared.io.kafka import KafkaSettings
-from shared.io.spark_kafka import close_pooled_consumers, read_range
+from shared.spark.kafka import close_pooled_consumers, read_range
 from tests.test_spark_kafka_source import create_topic, produce
 
 SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]}
@@ -91,7 +91,7 @@ def test_the_tail_read_reads_a_few_windows_not_the_range(
     kafka, topic, values = history
     n = len(values)
     windows: list[tuple[int, int]] = []
-    import shared.io.spark_kafka as sk
+    import shared.spark.kafka as sk
 
     orig = sk.read_range
 

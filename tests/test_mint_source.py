@@ -1,7 +1,7 @@
 """The mint query's source holds the desired topic back while the minter says it cannot use
 it (:mod:`services.mint.source`), against the real broker: ``latestOffset`` admits the desired
 records when the minter is not holding, together with an upper announcement on ``frontiers``,
-and at least every ``shared.io.spark_kafka.ADMIT_EVERY_S``; otherwise it keeps their offsets
+and at least every ``shared.spark.kafka.ADMIT_EVERY_S``; otherwise it keeps their offsets
 where they were, and the records stay for the next admitted micro-batch. Updates without a
 progress statement are held too, until a statement arrives (it ends a wait for records)."""
 
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import services.mint.source as ms
-from shared.embedded import EmbeddedStack
-from shared.io.spark_kafka import ADMIT_EVERY_S, close_pooled_consumers
+from shared.devstack.embedded import EmbeddedStack
+from shared.spark.kafka import ADMIT_EVERY_S, close_pooled_consumers
 from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 
@@ -198,7 +198,7 @@ def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired:
     from shared.desired import encode_progress, encode_update
     from shared.errors import KafkaUnavailableError
     from shared.frontier import Frontier
-    from shared.io.spark_kafka import offsets_from_json
+    from shared.spark.kafka import offsets_from_json
 
     rows = RowCodec({"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]})
 

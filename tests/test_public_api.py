@@ -34,7 +34,7 @@ def test_the_spark_reader_is_exported_lazily() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     code = "import sys, shardsink; assert 'pyspark' not in sys.modules, 'pyspark imported'"
     subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
-    from shared.io import spark_shardsink
+    from shared.spark import shardsink_source as spark_shardsink
 
     assert shardsink.read_collection is spark_shardsink.read_collection
     assert shardsink.register_spark_source is spark_shardsink.register_shardsink_source

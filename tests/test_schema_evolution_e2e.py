@@ -68,7 +68,7 @@ def test_alter_through_the_cli_both_ways_refuses_incompatible_schemas_and_reader
     env: Any, ctl: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], spark: Any  # noqa: F811
 ) -> None:
     from shardsink import open_collection
-    from shared.io.spark_shardsink import read_collection
+    from shared.spark.shardsink_source import read_collection
 
     cid = f"evo-cli-{int(time.time() * 1000) % 10**8}"
     v1 = rec({"name": "k", "type": "long"}, {"name": "n", "type": "int"})
@@ -255,7 +255,7 @@ def _converge(harness: Harness, shard: Shard, model: Model, target: int, sid: st
 
 
 def test_a_collection_evolves_through_three_versions_while_its_sink_runs(h: Harness, unique_id: str, spark: Any) -> None:  # noqa: F811
-    from shared.io.spark_shardsink import read_collection
+    from shared.spark.shardsink_source import read_collection
 
     cid, sid, topic = f"c-evo-{unique_id}", f"s-evo-{unique_id}", f"desired-evo-{unique_id}"
     shard = h.collection(cid, V1, topic, partitions=2)

@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import PreconditionFailedError, UpperMismatchError
 from shared.io.s3 import S3ObjectStore, S3Settings
 from shared.shard import Shard

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.s3 import S3ObjectStore, S3Settings
 from shared.shard import Shard
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import IndeterminateError, ObjectStoreError, UpperMismatchError
 from shared.io.s3 import S3ObjectStore, S3Settings
-from shared.objectstore import FaultPlan, FaultyObjectStore
+from shared.devstack.faults import FaultPlan, FaultyObjectStore
 from shared.shard import Shard
 
 SCHEMA = {

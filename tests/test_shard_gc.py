@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import (
     ObjectStoreError,
     ShardDroppedError,
@@ -23,7 +23,8 @@ from shared.errors import (
     UpperMismatchError,
 )
 from shared.io.s3 import S3ObjectStore, S3Settings
-from shared.objectstore import FaultPlan, FaultyObjectStore, now_ms
+from shared.devstack.faults import FaultPlan, FaultyObjectStore
+from shared.objectstore import now_ms
 from shared.shard import Shard
 
 SCHEMA = {

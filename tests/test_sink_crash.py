@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.shard import DIFF, ERROR, TIME, Shard
 from shared.state import ShardState
 
@@ -314,7 +314,7 @@ def data_keys(shard: Shard) -> set[str]:
 @pytest.fixture
 def crash_setup(stack: EmbeddedStack, unique_id: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
     from shardsink.cli.catalog import create_collection
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
     from shared.catalog import SinkDef
     from shared.io.kafka_admin import ensure_topic
 
@@ -532,7 +532,7 @@ def test_a_restarted_appender_deletes_the_parts_of_outdated_reports_it_replays(
     know the description is its own."""
     from services.append.service import SinkAppender
     from shardsink.cli.catalog import create_collection
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
     from services.sinkio import KIND_CONTROL
     from shared.catalog import SinkDef
     from shared.codec import message_codec

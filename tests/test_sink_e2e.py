@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 
 from shardsink.cli.catalog import create_collection
-from services.common import ServiceSettings
+from services.runtime.settings import ServiceSettings
 from services.runner import Services
 from shared.catalog import SinkDef
 from shared.codec import RowCodec
 from shared.desired import encode_update
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import UpperMismatchError
 from shared.io.desired_producer import DesiredProducer
 from shared.io.kafka_admin import ensure_topic
@@ -371,7 +371,7 @@ def services_harness(
 ) -> Iterator[Harness]:
     """One Services (mint, write, append), started before any sink exists, on control topics
     of its own (no backlog of other tests to read); ``extra_env`` adds settings."""
-    from shared.io.spark_kafka import register_kafka_source
+    from shared.spark.kafka import register_kafka_source
 
     register_kafka_source(spark)
     tag = uuid.uuid4().hex[:8]

@@ -1,4 +1,4 @@
-"""The Kafka source's wait for records (``waitForRecordsMs``, :mod:`shared.io.spark_kafka`),
+"""The Kafka source's wait for records (``waitForRecordsMs``, :mod:`shared.spark.kafka`),
 against the real broker: a ``latestOffset`` that finds nothing to read waits for a record on
 the partitions whose records make a micro-batch and answers with it as soon as it comes; a
 holding reader (the append service's source) is not woken by a record of its held topic, and
@@ -15,10 +15,10 @@ import pytest
 from confluent_kafka import Producer
 
 import services.append.source as aps
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import KafkaConfigError
 from shared.io.kafka import KafkaSettings, OffsetProbe
-from shared.io.spark_kafka import ADMIT_EVERY_S, KafkaDataSource, SourceOptions
+from shared.spark.kafka import ADMIT_EVERY_S, KafkaDataSource, SourceOptions
 from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 

@@ -14,9 +14,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.errors import StreamingQueryException
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.kafka import KafkaSettings, end_offsets
-from shared.io.spark_kafka import (
+from shared.spark.kafka import (
     ID_HEADER,
     Deduplicator,
     MessageId,

@@ -11,9 +11,9 @@ from typing import Any
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.kafka import KafkaSettings
-from shared.io.spark_kafka import (
+from shared.spark.kafka import (
     KAFKA_SCHEMA,
     KafkaInputPartition,
     KafkaRangesPartition,
@@ -160,7 +160,7 @@ def test_read_range_reuses_its_consumer_and_reads_exact_ranges(stack: EmbeddedSt
     pooled consumer is re-assigned each time) return exactly their offsets."""
     import random
 
-    import shared.io.spark_kafka as sk
+    import shared.spark.kafka as sk
 
     topic = f"src-pool-{unique_id}"
     create_topic(stack.bootstrap_servers, topic, 1)
@@ -318,7 +318,7 @@ def test_a_source_runner_stopped_by_spark_exits_quietly_and_other_failures_still
 import sys, types
 if {as_runner!r}:
     sys.modules["__main__"].__spec__ = types.SimpleNamespace(name="pyspark.sql.streaming.python_streaming_source_runner")
-from shared.io.spark_kafka import KafkaStreamReader
+from shared.spark.kafka import KafkaStreamReader
 reader = KafkaStreamReader.__new__(KafkaStreamReader)
 reader._probe = None
 try:
@@ -342,7 +342,7 @@ except BaseException as e:
 def test_read_range_values_only_keeps_values_and_offsets_and_nulls_the_rest(stack: EmbeddedStack, unique_id: str) -> None:
     """The write source's lean read: the same values and offsets as a full read, with the
     keys, timestamps and headers (which the desired decode never reads) null."""
-    import shared.io.spark_kafka as sk
+    import shared.spark.kafka as sk
 
     topic = f"src-lean-{unique_id}"
     create_topic(stack.bootstrap_servers, topic, 1)
@@ -361,7 +361,7 @@ def test_the_source_looks_a_topics_partitions_up_again_after_the_ttl(monkeypatch
     every trigger otherwise); partitions added meanwhile are seen after it; a topic that does
     not exist yet is looked up at every call, so it is read as soon as it exists."""
     from shared.errors import UnknownTopicError
-    from shared.io import spark_kafka
+    from shared.spark import kafka as spark_kafka
     from shared.io.kafka import OffsetProbe
 
     clock = frozen_monotonic(monkeypatch)

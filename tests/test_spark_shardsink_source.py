@@ -17,11 +17,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.errors import NotReadableYetError, SinceViolationError
 from shared.io.client import open_collection
 from shared.io.s3 import S3ObjectStore, S3Settings
-from shared.io.spark_shardsink import plan_read, read_bucket, read_collection, register_shardsink_source
+from shared.spark.shardsink_source import plan_read, read_bucket, read_collection, register_shardsink_source
 from shared.shard import Shard
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""``services.warmup``: the services' start-up read that starts Spark's Python workers before
+"""``services.runtime.warmup``: the services' start-up read that starts Spark's Python workers before
 the queries need them, on the real Spark session."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.warmup import WARMUP_SOURCE, warm_up
+from services.runtime.warmup import WARMUP_SOURCE, warm_up
 
 
 def test_the_warm_up_read_runs_its_tasks_and_leaves_the_session_as_it_was(spark: Any, caplog: pytest.LogCaptureFixture) -> None:

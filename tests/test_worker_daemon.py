@@ -1,5 +1,5 @@
 """The Python worker daemon that forks workers with the sink's modules loaded
-(``services/worker_daemon.py``): it may only fork while it has one thread."""
+(``services/runtime/worker_daemon.py``): it may only fork while it has one thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from services import worker_daemon
+from services.runtime import worker_daemon
 
 
 def _run(code: str, **env: str) -> str:
@@ -19,20 +19,20 @@ def _run(code: str, **env: str) -> str:
 
 def test_preload_leaves_one_thread():
     # every module a sink task imports, loaded in a fresh interpreter: still one thread
-    assert _run("from services.worker_daemon import preload; print(preload())") == "1"
+    assert _run("from services.runtime.worker_daemon import preload; print(preload())") == "1"
 
 
 def test_the_thread_check_sees_library_threads():
     # without the settings the daemon applies, Arrow's allocator starts its background thread:
     # the check that sends the daemon back to Spark's own one sees it
     n = int(_run("import pyarrow as pa; pa.array(list(range(100000))); "
-                 "from services.worker_daemon import threads; print(threads())",
+                 "from services.runtime.worker_daemon import threads; print(threads())",
                  JE_ARROW_MALLOC_CONF="background_thread:true"))
     assert n > 1
 
 
 def test_the_data_path_daemon_is_configured():
-    from services.common import with_service_defaults
+    from services.runtime.spark import with_service_defaults
 
     class Builder:
         def __init__(self):
@@ -43,4 +43,4 @@ def test_the_data_path_daemon_is_configured():
             return self
 
     b = with_service_defaults(Builder())
-    assert b.conf["spark.python.daemon.module"] == "services.worker_daemon"
+    assert b.conf["spark.python.daemon.module"] == "services.runtime.worker_daemon"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.embedded import EmbeddedStack, SparkStandalone
+from shared.devstack.embedded import EmbeddedStack, SparkStandalone
 from shared.io.desired_producer import DesiredProducer
 from shared.shard import Shard
 from tests.test_sink_crash import SCHEMA, UpperWatch, as_counter, diff_summary
@@ -35,7 +35,7 @@ WAIT_S = 300.0
 def test_the_sink_on_a_standalone_cluster_survives_a_killed_executor(
     stack: EmbeddedStack, standalone_cluster: SparkStandalone, unique_id: str, tmp_path: Path
 ) -> None:
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
     from services.runner import ensure_control_topics
     from shardsink.cli.catalog import create_collection
     from shared.catalog import SinkDef

@@ -20,7 +20,7 @@ from services.write.service import is_input_failure
 from shardsink import ErrorRow, open_collection
 from shardsink.cli.data import collection_status
 from shared.catalog import SinkDef, sink_failing, sink_quarantine
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.desired_producer import DesiredProducer
 from tests.test_sink_e2e import DEADLINE_S, SCHEMA, Harness, services_harness, shard_contents
 
@@ -167,7 +167,7 @@ def test_failure_counts_survive_a_restart_and_only_the_partition_that_failed_is_
     process: nothing is kept in memory), failures that are not the input's neither count nor
     reset it, and the quarantine takes the ranges of the partition the failure names, or all
     of the batch's when it names none."""
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
     from services.write.service import on_write_failure
 
     def settings() -> ServiceSettings:  # a fresh one per call: as after a restart

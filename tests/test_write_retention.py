@@ -36,10 +36,10 @@ from typing import Any
 import pytest
 
 from shardsink.cli.catalog import create_collection
-from services.common import ServiceSettings
+from services.runtime.settings import ServiceSettings
 from services.runner import Services
 from shared.catalog import SinkDef, sink_health
-from shared.embedded import EmbeddedStack
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.desired_producer import DesiredProducer
 from shared.io.kafka import OffsetProbe
 from shared.io.kafka_admin import ensure_topic
@@ -116,7 +116,7 @@ def wait_for(pred: Callable[[], bool], what: str, detail: Callable[[], str] = la
 
 @pytest.fixture(scope="module")
 def env(stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from shared.io.spark_kafka import register_kafka_source
+    from shared.spark.kafka import register_kafka_source
 
     register_kafka_source(spark)
     tag = uuid.uuid4().hex[:8]

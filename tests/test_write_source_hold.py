@@ -1,7 +1,7 @@
 """The write query's source holds the desired topic back between descriptions
 (:mod:`services.write.source`), against the real broker: ``latestOffset`` admits the desired
 records together with news on a control topic, when more of them wait than one micro-batch
-admits, and at least every ``shared.io.spark_kafka.ADMIT_EVERY_S``; otherwise it keeps their
+admits, and at least every ``shared.spark.kafka.ADMIT_EVERY_S``; otherwise it keeps their
 offsets where they were, and the records stay for the next admitted micro-batch."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import services.write.source as ws
-from shared.embedded import EmbeddedStack
-from shared.io.spark_kafka import ADMIT_EVERY_S
+from shared.devstack.embedded import EmbeddedStack
+from shared.spark.kafka import ADMIT_EVERY_S
 from tests.test_spark_kafka_source import create_topic, frozen_monotonic, produce, stream_reader
 
 

@@ -1,4 +1,4 @@
-"""The write query's per-partition state versions (services/write/state_files.py) and its
+"""The write query's per-partition state versions (shared/spark/state_files.py) and its
 input partitions (services/write/source.py): the protocol the writer's recovery rests on.
 
 - a task of batch N loads the newest version written before N: a version a failed attempt of
@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from services.write import state_files
+from shared.spark import state_files
 from services.write.source import writer_partitions
-from services.write.state_files import KEEP, WriterStateFiles
-from shared.embedded import EmbeddedStack
+from shared.spark.state_files import KEEP, WriterStateFiles
+from shared.devstack.embedded import EmbeddedStack
 from shared.io.s3 import S3Settings
-from shared.io.spark_kafka import KafkaInputPartition
+from shared.spark.kafka import KafkaInputPartition
 
 
 def decode(b: bytes) -> dict[str, Any]:

@@ -15,7 +15,7 @@ Contract (the seeds' append operator):
 
 Recovery: the query's checkpoint (``<checkpoint root>/append/<sink>-e<epoch>``) is durable,
 and the appender's state (the description in flight, the reports received, what was
-appended) is saved with each micro-batch's offsets (:mod:`services.driver_state`): a
+appended) is saved with each micro-batch's offsets (:mod:`services.runtime.driver_state`): a
 restarted appender goes on from the offsets Spark resumes from, never re-reading ``descs``
 and ``batches`` from their start. A micro-batch Spark re-runs after a crash repeats its
 actions from the saved state: a compare-and-append carries the description's token (one that
@@ -44,8 +44,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, interruptible
-from services.driver_state import DriverStateLog
+from services.runtime.settings import ServiceSettings
+from services.runtime.checkpoints import checkpoint_path
+from services.runtime.supervisor import interruptible
+from services.runtime.driver_state import DriverStateLog
 from services.sinkio import (
     KIND_CONTROL,
     ControlProducer,
@@ -182,7 +184,7 @@ class SinkAppender:
 
 
 def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkAppender] | None = None) -> Any:
-    from shared.io.spark_kafka import _connector, kafka_read_stream
+    from shared.spark.kafka import _connector, kafka_read_stream
 
     appender = SinkAppender.create(sink, settings)
     checkpoint = checkpoint_path(settings, "append", sink)

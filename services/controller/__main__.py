@@ -1,6 +1,6 @@
 """``python -m services.controller``: run the controller until SIGTERM/SIGINT.
 
-Settings: those of :class:`services.common.ServiceSettings` plus
+Settings: those of :class:`services.runtime.settings.ServiceSettings` plus
 
 =================================  =====================  =========
 variable                           flag                   default
@@ -39,7 +39,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from services.common import ServiceSettings, configure_logging
+from services.runtime.settings import ServiceSettings
+from services.runtime.logs import configure_logging
 from services.controller.service import Controller, ControllerSettings
 from services.controller.spark_jobs import SparkJobSettings
 
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     controller = Controller(settings_from(args))
     stop = threading.Event()
     controller.start()
-    from services.metrics import start_controller_metrics
+    from services.runtime.metrics import start_controller_metrics
 
     start_controller_metrics(controller)
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
-from services.common import ServiceSettings
+from services.runtime.settings import ServiceSettings
 from services.controller.spark_jobs import SparkJobSettings
 from shared.codec import RowCodec
 from shared.controller_state import Capabilities

@@ -12,7 +12,7 @@ One job shape serves merges, peeks and snapshots (a shuffle of Arrow, never of r
     stage 1  one task per group of parts (about 64 MB each, at least one per core): read
              the parts, advance their times to since (merge) or keep those at or before
              as_of (peek, snapshot), split the rows by bucket
-             (:func:`shared.io.spark_shardsink.row_buckets`: equal rows, equal bucket) and
+             (:func:`shared.spark.shardsink_source.row_buckets`: equal rows, equal bucket) and
              emit ``(bucket, Arrow IPC stream)`` per bucket
     shuffle  ``partitionBy(buckets)``: bucket b is partition b
     stage 2  one task per bucket: read the bucket's Arrow, consolidate
@@ -76,7 +76,7 @@ from shared.shard import (
 from shared.state import BatchMeta, Part
 
 if TYPE_CHECKING:
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
 
 log = logging.getLogger("shardsink")
 
@@ -164,8 +164,8 @@ def _from_ipc(blobs: Iterable[bytes], schema: pa.Schema) -> pa.Table:
 
 def split_task(job: ShardJob, keys: Sequence[str]) -> Iterator[tuple[int, bytes]]:
     """Stage 1: the rows of ``keys`` (times advanced, or filtered at as_of) per bucket."""
-    from shared.io.spark_shardsink import row_buckets
-    from shared.io.worker_heap import settle
+    from shared.spark.shardsink_source import row_buckets
+    from shared.spark.worker_heap import settle
 
     settle()
     store = job.store()
@@ -585,9 +585,9 @@ class ControllerSpark:
 
 
 def controller_session(service: ServiceSettings, master: str) -> Any:
-    """The controller's SparkSession: the services' settings (services/common.py) on
+    """The controller's SparkSession: the services' settings (services/runtime/settings.py) on
     ``master``; Spark options from ``PYSPARK_SUBMIT_ARGS``."""
-    from services.common import spark_session
+    from services.runtime.spark import spark_session
 
     return spark_session(replace(service, spark_master=master), "shardsink-controller")
 

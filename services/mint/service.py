@@ -14,7 +14,7 @@ Contract (the seeds' mint operator):
   old one, and batches written for the old one are never appended under it.
 - recovery: the query's checkpoint (``<checkpoint root>/mint/<sink>-e<epoch>``) is durable;
   the desired progress per partition is saved with each micro-batch's offsets
-  (:mod:`services.driver_state`), so a restarted minter reads only what came after them,
+  (:mod:`services.runtime.driver_state`), so a restarted minter reads only what came after them,
   never the desired topic's history. Its first description (a new epoch) supersedes any in
   flight.
 - cost: no Spark job per micro-batch, and no desired record read on the driver: the
@@ -49,8 +49,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, interruptible
-from services.driver_state import DriverStateLog
+from services.runtime.settings import ServiceSettings
+from services.runtime.checkpoints import checkpoint_path
+from services.runtime.supervisor import interruptible
+from services.runtime.driver_state import DriverStateLog
 from services.sinkio import (
     KIND_CONTROL,
     KIND_PROGRESS,
@@ -193,7 +195,7 @@ class SinkMinter:
 
 def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkMinter] | None = None) -> Any:
     from shared.io.kafka_admin import topic_partition_count
-    from shared.io.spark_kafka import _connector, kafka_read_stream
+    from shared.spark.kafka import _connector, kafka_read_stream
 
     minter = SinkMinter.create(sink, settings, topic_partition_count(settings.kafka, sink.desired_topic))
     checkpoint = checkpoint_path(settings, "mint", sink)
@@ -216,7 +218,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     # on the executors: mint needs only progress statements (decode_partition drops them
     # too, for the builtin connector and older schema versions).
     update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
-    from services.driver_state import planned_offsets
+    from services.runtime.driver_state import planned_offsets
     from services.mint.source import hold_path, mint_source, planned_progress, write_hold
 
     hold_file = hold_path(checkpoint)

@@ -12,7 +12,7 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
   partition), kept **on the executors** and checkpointed with the source offsets: the task
   that processes a partition in micro-batch N loads the partition's newest state version
   written before N and writes version N under the query's checkpoint; Spark's commit of batch
-  N makes it live (:mod:`services.write.state_files`, Spark's state store protocol in files the
+  N makes it live (:mod:`shared.spark.state_files`, Spark's state store protocol in files the
   task handles itself). Desired updates go in positively; the shard's own contents (a
   snapshot at the partition's first start, then each appended range) go in negated, routed by
   the same row hash;
@@ -50,13 +50,13 @@ the catch-up after a long outage. A re-run micro-batch (a failed attempt) re-sta
 previous state version; the appender appends one report per partition per description, and
 the orphaned objects are collected after the grace period.
 
-Retention safety (the contract; see README "Retention safety"):
+Retention safety (the contract; see docs/operations.md, "Retention safety"):
 
 - the sink never retracts a row only because its insert is no longer on the desired topic;
 - a writer partition proves it has seen the desired history behind the shard by reading its
   partition from offset 0 (a fresh checkpoint starts there) or from its checkpoint's offsets,
   with nothing deleted in between. The source compares each micro-batch's start offsets with
-  the partition's low watermark and marks a gap (:data:`shared.io.spark_kafka.HISTORY_GAP_HEADER`);
+  the partition's low watermark and marks a gap (:data:`shared.spark.kafka.HISTORY_GAP_HEADER`);
 - a gap after the partition absorbed anything (shard rows or desired updates) cannot be
   proven harmless: the partition refuses to write (:class:`shared.sink_state.Refuse`), so the
   sink writes nothing, and nothing that deletes. It logs
@@ -122,7 +122,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from services.common import ServiceSettings, checkpoint_path, interruptible
+from services.runtime.settings import ServiceSettings
+from services.runtime.checkpoints import checkpoint_path
+from services.runtime.supervisor import interruptible
 from services.sinkio import (
     KIND_BAD,
     KIND_CONTROL,
@@ -253,7 +255,7 @@ class _Context:
     def __init__(self, job: WriteJob) -> None:
         from shared.shard import Shard
 
-        from services.write.state_files import WriterStateFiles
+        from shared.spark.state_files import WriterStateFiles
 
         self.job = job
         self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
@@ -935,7 +937,7 @@ def write_batches(job: WriteJob, batch_id: int) -> Any:
     shuffle), each through :func:`write_step`."""
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from shared.io.worker_heap import settle
+        from shared.spark.worker_heap import settle
 
         settle()
         got = [b for b in batches if b.num_rows]
@@ -1059,7 +1061,7 @@ class SinkWriter:
 
 def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkWriter] | None = None) -> Any:
     from shared.io.kafka_admin import topic_partition_count
-    from shared.io.spark_kafka import kafka_read_stream
+    from shared.spark.kafka import kafka_read_stream
     from shared.shard import Shard
 
     partitions = topic_partition_count(settings.kafka, sink.desired_topic)
@@ -1076,7 +1078,7 @@ def start_write_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regi
     checkpoint = checkpoint_path(settings, "write", sink)
     job = WriteJob(sink, settings, partitions, schema_json, settings.descs_topic, checkpoint)
     from services.write.source import BATCH_PROPERTY, desired_source
-    from shared.io.spark_kafka import _connector
+    from shared.spark.kafka import _connector
 
     quarantined = load_quarantine(settings, sink)
     writer.metrics.quarantined_ranges = len(quarantined)
@@ -1175,7 +1177,7 @@ def failure_reason(exc: Any) -> str:
 def pending_batch(spark: Any, checkpoint: str) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """``(batch id, start offsets, end offsets)`` of the micro-batch a checkpoint planned and
     did not commit (Spark's offset log: ``offsets/<id>`` without ``commits/<id>``)."""
-    from services.driver_state import CheckpointFiles, planned_offsets
+    from services.runtime.driver_state import CheckpointFiles, planned_offsets
 
     files = CheckpointFiles(spark, checkpoint)
     planned, committed = files.ids("offsets"), files.ids("commits")
@@ -1194,7 +1196,7 @@ def on_write_failure(spark: Any, settings: ServiceSettings, sink: SinkDef, exc: 
     what it raises), else all of the batch's. Returns the ranges quarantined now (empty when
     not yet, or not the input's fault)."""
     from shared.catalog import add_sink_quarantine, count_sink_failure
-    from shared.io.spark_kafka import offsets_from_json
+    from shared.spark.kafka import offsets_from_json
 
     if settings.quarantine_after <= 0 or not is_input_failure(exc):
         return []

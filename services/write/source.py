@@ -28,8 +28,8 @@ and a task per writer partition (about 60 ms of CPU on this project's 2-core mac
 ``latestOffset`` therefore admits the desired topic's records together with news on a
 control topic (a description, an upper announced: they are read in the same micro-batch),
 when more of them wait than one micro-batch admits, or at least every
-:data:`shared.io.spark_kafka.ADMIT_EVERY_S`, so that the buffer never lags the topic by more
-than that (:class:`shared.io.spark_kafka.HoldingStreamReader`). Holding only ever delays
+:data:`shared.spark.kafka.ADMIT_EVERY_S`, so that the buffer never lags the topic by more
+than that (:class:`shared.spark.kafka.HoldingStreamReader`). Holding only ever delays
 records: the next admitted micro-batch covers every held one.
 
 Same options as ``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row
@@ -49,7 +49,7 @@ from pyspark.sql.datasource import InputPartition
 from services.sinkio import ROUTED_DDL, decode_partition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
 
-from shared.io.spark_kafka import (
+from shared.spark.kafka import (
     HoldingStreamReader,
     KafkaDataSource,
     KafkaInputPartition,
@@ -123,7 +123,7 @@ class DesiredStreamReader(HoldingStreamReader):
         return writer_partitions(parts, topic, n)
 
     def read(self, partition: Any) -> Iterator[pa.RecordBatch]:
-        from shared.io.worker_heap import settle
+        from shared.spark.worker_heap import settle
 
         settle()
         assert isinstance(partition, WriterPartition)
@@ -186,7 +186,7 @@ def desired_source(
     desired_topic: str, row_schema_json: str, route_to: int, quarantine: list[tuple[int, int, int, str]] | None = None,
     step: Any = None, name: str | None = None,
 ) -> tuple[str, type[DesiredDataSource], dict[str, str]]:
-    """The ``source`` argument of :func:`shared.io.spark_kafka.kafka_read_stream`.
+    """The ``source`` argument of :func:`shared.spark.kafka.kafka_read_stream`.
 
     ``step`` (a :class:`services.write.service.WriteJob`) makes ``read()`` run the write step
     (see the module docstring); the data source is then a class of its own, registered under

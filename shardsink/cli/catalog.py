@@ -16,7 +16,7 @@ recorded), else the catalog.
     shardsink collection list                       # direct catalog/shard reads
     shardsink sink create orders-sink --topic orders-desired --collection orders [--read-only]
     shardsink sink allow-writes [orders-sink]       # no id: every sink (controller only)
-    shardsink sink adopt orders-sink                # after lost desired history: see README
+    shardsink sink adopt orders-sink                # after lost desired history: see docs/operations.md
     shardsink sink drop orders-sink
     shardsink sink list
 
@@ -36,7 +36,7 @@ from shardsink.cli.main import print_json
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
 
     return ServiceSettings.from_env_and_args(args)
 

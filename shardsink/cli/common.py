@@ -1,7 +1,7 @@
 """What the ``shardsink`` subcommands share: connection flags, a controller session (commands
 out, the answer back, errors as one typed line), a collection's row codec, a tiny progress bar.
 
-Settings come from the same environment variables as the services (``services.common``),
+Settings come from the same environment variables as the services (``services.runtime.settings``),
 overridden by flags; the controller's topics from ``SHARDSINK_TOPIC_COMMANDS`` /
 ``SHARDSINK_TOPIC_RESPONSES`` (``--commands-topic`` / ``--responses-topic``).
 """
@@ -107,7 +107,7 @@ def read_catalog(s: Any) -> Any:
 
 
 def settings(args: argparse.Namespace) -> Any:
-    from services.common import ServiceSettings
+    from services.runtime.settings import ServiceSettings
 
     return ServiceSettings.from_env_and_args(args)
 

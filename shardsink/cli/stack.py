@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from shared.embedded import main
+    from shared.devstack.embedded import main
 
     return main(
         ["--kafka-port", str(args.kafka_port), "--s3-port", str(args.s3_port), "--bucket", args.bucket]

@@ -115,7 +115,7 @@ def _sorted_by_row(table: pa.Table, row_columns: list[str]) -> pa.Table:
 def open_collection(collection_id: str, settings: Any = None) -> Collection:
     """A handle on a collection (its shard). Raises ShardNotFoundError if there is none.
 
-    ``settings``: ``services.common.ServiceSettings``, ``shared.io.s3.S3Settings``, an object
+    ``settings``: ``services.runtime.settings.ServiceSettings``, ``shared.io.s3.S3Settings``, an object
     store, or None for the environment (``SHARDSINK_S3_ENDPOINT``, ``SHARDSINK_S3_BUCKET``,
     ``SHARDSINK_S3_PREFIX``, ``AWS_ACCESS_KEY_ID[_FILE]``, ``AWS_SECRET_ACCESS_KEY[_FILE]``).
     """

@@ -7,7 +7,7 @@ maps classes from an archive instead: measured 5.0-5.7 s instead of 7.5-10 s per
 
 The archive is built once per installation (``make`` does it after installing the
 project, the Dockerfile at image build) by running a representative workload in a JVM started
-with ``-XX:ArchiveClassesAtExit`` (``python -m services.jvm build``). It is tied to the JDK
+with ``-XX:ArchiveClassesAtExit`` (``python -m services.runtime.jvm build``). It is tied to the JDK
 and the jars it was built with; the driver uses it when it exists (``-Xshare:auto``: a JVM
 that finds it unusable starts without it, as before). ``SHARDSINK_SPARK_CDS=off`` turns it
 off.
@@ -260,7 +260,7 @@ def _running_with(text: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m services.jvm", description="the driver JVM's Hadoop jar and class-data archive")
+    ap = argparse.ArgumentParser(prog="python -m services.runtime.jvm", description="the driver JVM's Hadoop jar and class-data archive")
     ap.add_argument("command", choices=["build", "path"],
                     help="build: (re)build the jar, then the archive; path: print where the archive is")
     args = ap.parse_args(argv)

@@ -7,7 +7,7 @@ Used by the tests, the benchmarks, ``make demo`` and by users who want a laptop 
         stack.bootstrap_servers   # "127.0.0.1:PORT"
         stack.s3_endpoint         # "http://127.0.0.1:PORT"
 
-``python -m shared.embedded`` (or ``make up``) starts it in the foreground, prints the
+``python -m shared.devstack`` (or ``make up``) starts it in the foreground, prints the
 addresses as JSON and the environment variables the services read, and stops on Ctrl-C.
 
 Both servers run as child processes so that they survive neither the parent (they are
@@ -163,8 +163,8 @@ class EmbeddedStack:
 
     def _start_s3(self, logs: Path, timeout_s: float) -> None:
         proc = self._spawn(
-            # moto's S3 backend alone (shared/io/moto_server.py: no per-request service dispatch)
-            [sys.executable, "-m", "shared.io.moto_server", "127.0.0.1", str(self.s3_port)],
+            # moto's S3 backend alone (shared/devstack/moto_server.py: no per-request service dispatch)
+            [sys.executable, "-m", "shared.devstack.moto_server", "127.0.0.1", str(self.s3_port)],
             logs / "moto.log",
         )
         self._roles["s3"] = proc

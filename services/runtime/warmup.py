@@ -41,7 +41,7 @@ log = logging.getLogger("shardsink.warmup")
 WARMUP_SOURCE = "shardsink-warmup"
 
 #: What a write task imports (the executors' daemon loads most of it already:
-#: services/worker_daemon.py), imported in the warm-up's tasks.
+#: services/runtime/worker_daemon.py), imported in the warm-up's tasks.
 TASK_MODULES = ("services.write.service", "services.write.source", "services.sinkio", "shared.shard")
 
 

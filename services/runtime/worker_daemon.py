@@ -6,8 +6,8 @@ For the sink that is pyarrow, numpy, pandas, botocore, fastavro, confluent-kafka
 project's codecs: 1.5 s of CPU per new worker on this project's 2-core machines, and 6 s of
 wall time per task on the first micro-batch of a restarted write service, when its workers
 are all new (measured: the restarted writer's first tasks ran 6.1 s, 0.4 s of it the write
-step). With ``spark.python.daemon.module=services.worker_daemon`` (set by
-:func:`services.common.with_service_defaults`), the daemon imports them once and every worker
+step). With ``spark.python.daemon.module=services.runtime.worker_daemon`` (set by
+:func:`services.runtime.spark.with_service_defaults`), the daemon imports them once and every worker
 forked from it starts with them loaded.
 
 Forking is only safe while the process has one thread (a lock held by another thread is held
@@ -42,7 +42,7 @@ PRELOAD = (
     "shared.avro_columns",
     "shared.shard",
     "shared.sink_state",
-    "shared.io.spark_kafka",
+    "shared.spark.kafka",
     "services.sinkio",
     "services.write.service",
     "services.write.source",

@@ -47,7 +47,7 @@ class CheckpointFiles:
         if scheme in ("", "file"):
             self._local = Path(urlparse(root).path if scheme == "file" else root)
             return
-        from services.common import hadoop_path
+        from services.runtime.checkpoints import hadoop_path
 
         self._jvm = spark.sparkContext._jvm
         self._fs, self._root = hadoop_path(spark, root)

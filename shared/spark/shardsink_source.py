@@ -1,6 +1,6 @@
 """Reading a collection from Spark: the ``shardsink`` batch data source (time travel).
 
-Built on PySpark's Python Data Source API, like :mod:`shared.io.spark_kafka`. Register once
+Built on PySpark's Python Data Source API, like :mod:`shared.spark.kafka`. Register once
 per session, then::
 
     register_shardsink_source(spark)
@@ -286,7 +286,7 @@ class ShardsinkBatchReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BucketPartition)
-        from shared.io.worker_heap import settle
+        from shared.spark.worker_heap import settle
 
         settle()
         p = self.plan

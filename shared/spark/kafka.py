@@ -658,7 +658,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- executor side -----------------------------------------------------------------------
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from shared.io.worker_heap import settle
+        from shared.spark.worker_heap import settle
 
         settle()
         if isinstance(partition, KafkaRangesPartition):
@@ -986,7 +986,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         from confluent_kafka import KafkaException, Producer
         from pyspark import TaskContext
 
-        from shared.io.worker_heap import settle
+        from shared.spark.worker_heap import settle
 
         settle()
         o = self.options

@@ -1,4 +1,4 @@
-"""The embedded S3 server: moto's S3 backend alone, on werkzeug (``python -m shared.io.moto_server``).
+"""The embedded S3 server: moto's S3 backend alone, on werkzeug (``python -m shared.devstack.moto_server``).
 
 ``python -m moto.server`` serves every AWS service moto emulates: for each request it works out
 the service from the host, the path and the headers, and lists moto's service modules on disk
@@ -9,7 +9,7 @@ application directly with only server errors logged. Requests are answered by th
 application (:func:`moto.moto_server.werkzeug_app.create_backend_app`), so its behaviour
 (conditional writes included) is moto's.
 
-Usage: ``python -m shared.io.moto_server HOST PORT``.
+Usage: ``python -m shared.devstack.moto_server HOST PORT``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def serve(host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not args[1].isdigit():
-        print("usage: python -m shared.io.moto_server HOST PORT", file=sys.stderr)
+        print("usage: python -m shared.devstack.moto_server HOST PORT", file=sys.stderr)
         return 2
     serve(args[0], int(args[1]))
     return 0
