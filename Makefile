@@ -26,9 +26,9 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m services.demo $(ARGS)
 
-## make test-fast: the suite without the quick chaos and bench campaigns (for a quick loop)
+## make test-fast: the tests that start neither the embedded stack nor Spark (the pure core and the adapters' unit tests; under 2 minutes)
 test-fast: $(STAMP)
-	$(VPY) -m pytest -m 'not campaign' $(ARGS)
+	$(VPY) -m pytest -m 'not stack and not campaign' $(ARGS)
 
 ## make up: run the embedded Kafka (Tansu) + S3 (moto) stack in the foreground (ARGS='--kafka-port N --s3-port M')
 up: $(STAMP)

@@ -59,10 +59,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from confluent_kafka import TopicPartition  # noqa: E402
 
 from services.runtime.settings import ServiceSettings
-from services.controller.client import ControllerClient, body_kind  # noqa: E402
 from services.controller.service import Controller, ControllerSettings  # noqa: E402
 from shared.codec import message_codec  # noqa: E402
 from shared.devstack.embedded import EmbeddedStack  # noqa: E402
+from shared.io.controller_client import ControllerClient, body_kind  # noqa: E402
 from shared.io.kafka import new_consumer  # noqa: E402
 from shared.shard import Shard  # noqa: E402
 from shared.state import plan_merge, plan_since_merge  # noqa: E402

@@ -40,7 +40,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 from shared.devstack.embedded import EmbeddedStack  # noqa: E402
 from shared.io.kafka import KafkaSettings, end_offsets  # noqa: E402
-from shared.spark.kafka import kafka_read_stream, kafka_write_stream  # noqa: E402
+from shared.spark.kafka_connector import kafka_read_stream, kafka_write_stream
 
 PARTITIONS = 4
 

@@ -17,7 +17,7 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   burst to the next.
 - ``baseline_updates_per_s``: the same measurement for plain Spark Structured Streaming on
   the same desired topic, in the same run: our Kafka source
-  (``shared.spark.kafka.kafka_read_stream``), same Spark settings, trigger and wait for
+  (``shared.spark.kafka_connector.kafka_read_stream``), same Spark settings, trigger and wait for
   records (``SHARDSINK_SOURCE_WAIT_MS``) as the services, and a ``foreachBatch`` that
   converts the micro-batch with ``toArrow()`` and PUTs it as one Parquet object with boto3
   to the same S3 server (the pyspark wheel has no hadoop-aws, so
@@ -260,7 +260,7 @@ def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
 
     from services.runtime.settings import ServiceSettings
     from services.runtime.spark import spark_session
-    from shared.spark.kafka import kafka_read_stream
+    from shared.spark.kafka_connector import kafka_read_stream
 
     settings = ServiceSettings.from_env_and_args(None)
     spark = spark_session(settings, "bench-baseline")

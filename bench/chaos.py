@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from shardsink.cli.catalog import create_collection
     from services.runtime.settings import ServiceSettings
-    from services.controller.client import ControllerClient
+    from shared.io.controller_client import ControllerClient
     from services.runner import ensure_control_topics
     from shared.catalog import SinkDef
     from shared.devstack.embedded import EmbeddedStack

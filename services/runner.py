@@ -122,7 +122,7 @@ class Services:
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
             registry.clear()
-        from shared.spark.kafka import close_pooled_consumers
+        from shared.spark.kafka_source import close_pooled_consumers
 
         close_pooled_consumers()  # mint's and append's reads on the driver
         gc.collect()

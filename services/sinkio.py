@@ -21,13 +21,13 @@ KIND_PROGRESS = "progress"
 KIND_BAD = "bad"
 KIND_CONTROL = "control"
 #: History lost to retention (write service): ``frontier`` = first lost offset, ``time`` = the
-#: first offset still available (see ``historyGapTopics`` in shared.spark.kafka).
+#: first offset still available (see ``historyGapTopics`` in shared.spark.kafka_source).
 KIND_GAP = "gap"
 #: An update whose row is single-object encoded with a writer schema the decoder does not know
 #: (the write service's decode, with ``route_to``): ``row`` holds the bytes as produced, with
 #: ``time`` and ``diff``. The write step resolves it with the collection's schema versions,
 #: which it follows live (the row schema may have been altered since the query started), or
-#: makes it an error row; see :meth:`services.write.service._Context.resolve_rows`.
+#: makes it an error row; see :meth:`services.write.context.ShardContext.resolve_rows`.
 KIND_UNRESOLVED = "unresolved"
 
 DECODED_SCHEMA = pa.schema(
@@ -463,7 +463,7 @@ def _quarantined(topic: str, part: int, off: int, why: str, row: bytes | None, c
 
 def _gap(headers: Any) -> tuple[int, int] | None:
     """``(first lost offset, first available offset)`` of a source's history-gap marker."""
-    from shared.spark.kafka import HISTORY_GAP_HEADER
+    from shared.spark.kafka_source import HISTORY_GAP_HEADER
 
     for h in headers or ():
         if h["key"] == HISTORY_GAP_HEADER:
@@ -507,7 +507,7 @@ def planned_ranges(
     first batch of a checkpoint starts at the source's initial offsets, which Spark does not
     log): read the batch's DataFrame then."""
     from services.runtime.driver_state import planned_offsets
-    from shared.spark.kafka import offsets_from_json, pending
+    from shared.kafka_offsets import offsets_from_json, pending
 
     end = end if end is not None else planned_offsets(files, batch_id)
     start = planned_offsets(files, batch_id - 1) if batch_id > 0 else None
@@ -521,7 +521,7 @@ def read_ranges(
 ) -> pa.Table:
     """The records of ``ranges`` read on the driver (columns ``topic, partition, offset,
     value``); ``skip_prefixes`` as the source's ``skipValuePrefixes``."""
-    from shared.spark.kafka import read_range
+    from shared.spark.kafka_source import read_range
 
     skip = skip_prefixes or {}
     tables: list[pa.Table] = []
@@ -579,7 +579,7 @@ def _tail_windows(
 ) -> list[tuple[pa.Table, pa.Table]]:
     """The windows of :func:`read_latest_progress`, raw and decoded, in the order read (from
     the end back): only the last one read can hold a progress statement."""
-    from shared.spark.kafka import read_range
+    from shared.spark.kafka_source import read_range
 
     windows: list[tuple[pa.Table, pa.Table]] = []
     hi, size = end, LATEST_PROGRESS_WINDOW

@@ -44,7 +44,7 @@ base type.
 
 The mapping is an exact inverse: ``arrow_to_rows(rows_to_arrow(rows, s), s) == rows``, through
 Parquet too, for every schema :func:`parse_row_schema` accepts and every value the codec
-decodes (``tests/test_avro_arrow_types.py`` proves it over generated schemas). What it cannot
+decodes (``tests/shared/test_avro_arrow_types.py`` proves it over generated schemas). What it cannot
 map exactly is refused at ``collection create`` with a :class:`~shared.errors.SchemaError`
 naming the field: unions of two or more non-null types, recursive records, records without
 fields, ``fixed`` of size 0, the type ``null`` alone inside an array or a map (Parquet reads it
@@ -642,7 +642,7 @@ def arrow_to_rows(
     With the collection's row ``schema``, each row is what :meth:`shared.codec.RowCodec.decode`
     gives for it (uuids as ``uuid.UUID``), so ``RowCodec.encode`` of it gives the canonical
     bytes of the row as it came from the topic: the read-back of a shard is an exact inverse of
-    its staging (proved by ``tests/test_avro_arrow_types.py``). Without ``schema``, uuids stay
+    its staging (proved by ``tests/shared/test_avro_arrow_types.py``). Without ``schema``, uuids stay
     text (which encodes to the same bytes).
 
     Maps become dicts, structs dicts, lists lists; timestamps in ms or us come back as

@@ -22,20 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.catalog import CatalogError, IdReuseError, UnknownCollectionError, UnknownSinkError
-from shared.errors import (
-    CodecError,
-    DecodeError,
-    InvalidUsageError,
-    NotReadableYetError,
-    IncompatibleSchemaError,
-    SchemaError,
-    SchemaMismatchError,
-    ShardDroppedError,
-    ShardExistsError,
-    SinceViolationError,
-    UpperMismatchError,
-)
+from shared.errors import wire_kind
 from shared.frontier import Frontier
 from shared.read_policy import ReadPolicy
 
@@ -156,28 +143,12 @@ class CommandRejected(Exception):
 
 
 def error_kind(e: BaseException) -> str:
-    """The response ``Error.kind`` of an exception (see schemas/response.avsc)."""
+    """The response ``Error.kind`` of an exception (see schemas/response.avsc): the kind a
+    :class:`CommandRejected` names, else the one table's (:data:`shared.errors.ERROR_KINDS`,
+    :func:`shared.errors.wire_kind`)."""
     if isinstance(e, CommandRejected):
         return e.kind
-    if isinstance(e, (UnknownCollectionError, UnknownSinkError, ShardDroppedError)):
-        return "IdentifierMissing"
-    if isinstance(e, (IdReuseError, ShardExistsError)):
-        return "IdentifierReused"
-    if isinstance(e, SinceViolationError):
-        return "ReadBeforeSince"
-    if isinstance(e, NotReadableYetError):
-        return "NotReadableYet"
-    if isinstance(e, UpperMismatchError):
-        return "UpperMismatch"
-    if isinstance(e, IncompatibleSchemaError):
-        return "IncompatibleSchema"
-    if isinstance(e, (SchemaError, SchemaMismatchError)):
-        return "SchemaError"
-    if isinstance(e, DecodeError):
-        return "DecodeError"
-    if isinstance(e, (InvalidUsageError, CatalogError, CodecError, ValueError)):
-        return "InvalidUsage"
-    return "Internal"
+    return wire_kind(e)
 
 
 # -- the durable section -------------------------------------------------------------------------

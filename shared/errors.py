@@ -9,6 +9,7 @@ boundary with ``raise OurError(...) from e``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -195,7 +196,7 @@ class ControllerNotFoundError(ShardsinkError):
 
 
 class SinkProtocolError(ShardsinkError):
-    """A message or call breaks the mint / write / append protocol (shared.sink_state): two
+    """A message or call breaks the mint / write / append protocol (shared.mint_state, shared.write_state, shared.append_state): two
     descriptions with the same lower and epoch, a read-back batch that leaves a gap, a report
     whose partition count disagrees with its description, an absorb while an append is in
     flight. A bug or a misconfiguration, never a race: races are handled, not raised."""
@@ -203,54 +204,130 @@ class SinkProtocolError(ShardsinkError):
 
 # -- the one error vocabulary ------------------------------------------------------------------
 
+
+@dataclass(frozen=True, slots=True)
+class ErrorKind:
+    """One kind of error a user meets (a row of :data:`ERROR_KINDS`).
+
+    ``wire``: the ``Error.kind`` the controller answers on ``responses`` for it;
+    ``meaning``: what it means; ``classes``: the names of the exception classes reported
+    under this kind (every error class of this module and of :mod:`shared.catalog` is in
+    exactly one row, ``tests/shared/test_error_kinds.py``).
+    """
+
+    wire: str
+    meaning: str
+    classes: tuple[str, ...]
+
+
 #: Every kind of error a user meets, by the name the CLI prints (``error: <kind>: ...``), with
-#: the ``Error.kind`` the controller answers on ``responses`` for it and what it means. A
-#: controller answer is printed under the same kind as the same failure found by the CLI
-#: itself, whichever way (``--via``) a command went.
-ERROR_KINDS: dict[str, tuple[str, str]] = {
-    "UnknownIdError": ("IdentifierMissing", "no collection, sink or subscribe with this id, or it was dropped"),
-    "IdReuseError": ("IdentifierReused", "the id exists or existed with another definition (ids are never reused)"),
-    "SinceViolationError": ("ReadBeforeSince", "a read below the collection's since (history compacted away)"),
-    "NotReadableYetError": ("NotReadableYet", "a read at or beyond the upper, still so after the peek timeout"),
-    "UpperMismatchError": ("UpperMismatch", "an append whose expected upper is not the collection's upper"),
-    "SchemaError": ("SchemaError", "a schema that is not an acceptable Avro record, or rows that do not match it"),
-    "IncompatibleSchemaError": ("IncompatibleSchema", "a new row schema that an earlier version's rows cannot be read as (names the field and the rule)"),
-    "DecodeError": ("DecodeError", "bytes that do not decode with the expected schema"),
-    "InvalidUsageError": ("InvalidUsage", "a command or flag that breaks the contract (bad value, bad id, bad time)"),
-    "InternalError": ("Internal", "a failure of the controller itself (its log says more)"),
-    "EncodeError": ("", "an input line that does not parse or fit the row schema (CLI; names the line)"),
-    "ContractViolationError": ("", "an update or progress at a time below the progress already sent"),
-    "UnknownTopicError": ("", "a Kafka topic that does not exist"),
-    "KafkaUnavailableError": ("", "the Kafka brokers cannot be reached (names the address)"),
-    "KafkaTimeoutError": ("", "a Kafka request, or the wait for the controller's answer, timed out"),
-    "KafkaConfigError": ("", "Kafka client settings librdkafka refuses"),
-    "ObjectStoreError": ("", "the S3 endpoint or bucket cannot be reached or refused a request"),
-    "CatalogNotFoundError": ("", "no catalog at this bucket and prefix (nothing was created)"),
-    "ControllerNotFoundError": ("", "no controller serves this catalog, or not on these topics (nothing was sent)"),
+#: the ``Error.kind`` the controller answers on ``responses`` for it, what it means and the
+#: exception classes reported under it: the one mapping from an exception to its kind (the
+#: CLI's :func:`kind_of` and the controller's :func:`wire_kind` both read it). A controller
+#: answer is printed under the same kind as the same failure found by the CLI itself,
+#: whichever way (``--via``) a command went. Several kinds share the wire kinds
+#: ``InvalidUsage`` and ``Internal``: an answer of one reads back as the first kind of the
+#: table with it (:data:`KIND_OF_WIRE`).
+ERROR_KINDS: dict[str, ErrorKind] = {
+    "UnknownIdError": ErrorKind(
+        "IdentifierMissing", "no collection, sink or subscribe with this id, or it was dropped",
+        ("UnknownIdError", "ShardNotFoundError", "ShardDroppedError", "UnknownCollectionError", "UnknownSinkError")),
+    "IdReuseError": ErrorKind(
+        "IdentifierReused", "the id exists or existed with another definition (ids are never reused)",
+        ("IdReuseError", "ShardExistsError")),
+    "SinceViolationError": ErrorKind(
+        "ReadBeforeSince", "a read below the collection's since (history compacted away)", ("SinceViolationError",)),
+    "NotReadableYetError": ErrorKind(
+        "NotReadableYet", "a read at or beyond the upper, still so after the peek timeout", ("NotReadableYetError",)),
+    "UpperMismatchError": ErrorKind(
+        "UpperMismatch", "an append whose expected upper is not the collection's upper", ("UpperMismatchError",)),
+    "SchemaError": ErrorKind(
+        "SchemaError", "a schema that is not an acceptable Avro record, or rows that do not match it",
+        ("SchemaError", "SchemaMismatchError")),
+    "IncompatibleSchemaError": ErrorKind(
+        "IncompatibleSchema", "a new row schema that an earlier version's rows cannot be read as (names the field and the rule)",
+        ("IncompatibleSchemaError",)),
+    "DecodeError": ErrorKind("DecodeError", "bytes that do not decode with the expected schema", ("DecodeError",)),
+    "InvalidUsageError": ErrorKind(
+        "InvalidUsage", "a command or flag that breaks the contract (bad value, bad id, bad time)",
+        ("InvalidUsageError", "CatalogError", "ValueError")),
+    "InternalError": ErrorKind(
+        "Internal", "a failure of the controller itself (its log says more)",
+        # A CommandError is reported under the kind its answer names; without one, here.
+        ("FencedError", "CommandError")),
+    "EncodeError": ErrorKind(
+        "InvalidUsage", "an input line that does not parse or fit the row schema (CLI; names the line)", ("EncodeError",)),
+    "CodecError": ErrorKind("InvalidUsage", "a message or row that does not encode or decode", ("CodecError",)),
+    "SchemaRegistryError": ErrorKind(
+        "InvalidUsage", "the schema registry cannot be reached or answered something unusable", ("SchemaRegistryError",)),
+    "CatalogNotFoundError": ErrorKind(
+        "InvalidUsage", "no catalog at this bucket and prefix (nothing was created)", ("CatalogNotFoundError",)),
+    "ContractViolationError": ErrorKind(
+        "Internal", "an update or progress at a time below the progress already sent", ("ContractViolationError",)),
+    "UnknownTopicError": ErrorKind("Internal", "a Kafka topic that does not exist", ("UnknownTopicError",)),
+    "KafkaUnavailableError": ErrorKind(
+        "Internal", "the Kafka brokers cannot be reached (names the address)", ("KafkaUnavailableError",)),
+    "KafkaTimeoutError": ErrorKind(
+        "Internal", "a Kafka request, or the wait for the controller's answer, timed out", ("KafkaTimeoutError",)),
+    "KafkaConfigError": ErrorKind("Internal", "Kafka client settings librdkafka refuses", ("KafkaConfigError",)),
+    "KafkaDeliveryError": ErrorKind(
+        "Internal", "produced records were not acknowledged (some may have landed)", ("KafkaDeliveryError",)),
+    "KafkaDataLossError": ErrorKind(
+        "Internal", "records that must be read are gone (deleted by retention)", ("KafkaDataLossError",)),
+    "KafkaAdapterError": ErrorKind("Internal", "a Kafka client failure", ("KafkaAdapterError",)),
+    "ObjectStoreError": ErrorKind(
+        "Internal", "the S3 endpoint or bucket cannot be reached or refused a request", ("ObjectStoreError",)),
+    "ObjectNotFoundError": ErrorKind("Internal", "an object expected on S3 is not there", ("ObjectNotFoundError",)),
+    "PreconditionFailedError": ErrorKind(
+        "Internal", "a conditional write lost: the object exists already", ("PreconditionFailedError",)),
+    "ConflictRetryError": ErrorKind(
+        "Internal", "a concurrent conditional write on S3: read again and retry", ("ConflictRetryError",)),
+    "IndeterminateError": ErrorKind(
+        "Internal", "an outcome unknown (retry with the same token: it is applied once)", ("IndeterminateError",)),
+    "StagedBatchExpiredError": ErrorKind(
+        "Internal", "a staged batch older than the safe window (it may have been collected)", ("StagedBatchExpiredError",)),
+    "ReaderExpiredError": ErrorKind(
+        "Internal", "a leased reader hold expired (not renewed in time)", ("ReaderExpiredError",)),
+    "FormatError": ErrorKind("Internal", "a stored object of an unknown format version", ("FormatError",)),
+    "DeterminateError": ErrorKind("Internal", "a storage operation that did not take effect", ("DeterminateError",)),
+    "StorageError": ErrorKind("Internal", "a shard storage failure", ("StorageError",)),
+    "HistoryUnprovenError": ErrorKind(
+        "Internal", "a sink that cannot prove it saw the desired history behind its shard (shardsink sink adopt)",
+        ("HistoryUnprovenError",)),
+    "SinkProtocolError": ErrorKind(
+        "Internal", "a message or call that breaks the mint / write / append protocol (a bug or a misconfiguration)",
+        ("SinkProtocolError",)),
+    "ControllerNotFoundError": ErrorKind(
+        "Internal", "no controller serves this catalog, or not on these topics (nothing was sent)",
+        ("ControllerNotFoundError",)),
+    "ShardsinkError": ErrorKind("Internal", "a failure of this project", ("ShardsinkError",)),
 }
 
-#: A controller's ``Error.kind`` -> the CLI's kind.
-KIND_OF_WIRE: dict[str, str] = {wire: kind for kind, (wire, _) in ERROR_KINDS.items() if wire}
+#: A controller's ``Error.kind`` -> the CLI's kind: the first kind of :data:`ERROR_KINDS`
+#: answered under it.
+KIND_OF_WIRE: dict[str, str] = {row.wire: kind for kind, row in reversed(ERROR_KINDS.items())}
 
-_KIND_OF_CLASS = {
-    "ShardExistsError": "IdReuseError",
-    "SchemaMismatchError": "SchemaError",
-    "CatalogError": "InvalidUsageError",
-    "FencedError": "InternalError",
-}
+#: An exception class's name -> its kind (a key of :data:`ERROR_KINDS`), from the table's rows.
+KIND_OF_CLASS: dict[str, str] = {cls: kind for kind, row in ERROR_KINDS.items() for cls in row.classes}
 
 
 def kind_of(e: BaseException) -> str:
-    """The kind (a key of :data:`ERROR_KINDS`, or the class name of an error outside the
-    table) under which ``e`` is reported to a user."""
+    """The kind (a key of :data:`ERROR_KINDS`, or the class name of an exception outside the
+    table) under which ``e`` is reported to a user: its class's row, else the row of its
+    nearest listed base class. A :class:`CommandError` (a controller's answer) is reported
+    under the kind of the wire kind it carries."""
     if isinstance(e, CommandError):
         wire = str(getattr(e, "kind", "") or "")
         return KIND_OF_WIRE.get(wire, wire or "InternalError")
-    mro = [cls.__name__ for cls in type(e).__mro__]
-    for name in mro:
-        if name in ERROR_KINDS:
-            return name
-    for name in mro:
-        if name in _KIND_OF_CLASS:
-            return _KIND_OF_CLASS[name]
+    for cls in type(e).__mro__:
+        kind = KIND_OF_CLASS.get(cls.__name__)
+        if kind is not None:
+            return kind
     return type(e).__name__
+
+
+def wire_kind(e: BaseException) -> str:
+    """The ``Error.kind`` the controller answers for ``e`` (see schemas/response.avsc): the
+    wire kind of its kind (:func:`kind_of`); ``Internal`` for an exception outside the table."""
+    row = ERROR_KINDS.get(kind_of(e))
+    return row.wire if row is not None else "Internal"

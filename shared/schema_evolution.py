@@ -47,7 +47,7 @@ default, promoted types are cast, removed columns are dropped, enum values the c
 lacks take its default. The Arrow types drive it: a column whose type is already the current
 one is passed through untouched, so parts written in the current schema cost nothing.
 
-Invariant (proved by ``tests/test_schema_evolution.py`` against fastavro): for a row ``r``
+Invariant (proved by ``tests/shared/test_schema_evolution.py`` against fastavro): for a row ``r``
 written under an accepted earlier version, the resolved Arrow row encodes
 (:class:`shared.avro_columns.ColumnCodec`) to the same canonical bytes as fastavro's resolution
 of ``r`` (:meth:`shared.codec.RowCodec.canonical` with the earlier version as a writer

@@ -1,5 +1,15 @@
 """Shards on an object store, with an S3-only compare-and-append.
 
+This module holds the handle (:class:`Shard`: its head, its commits, staging, compaction, reader
+holds, GC). Beside it, each imported by it and none importing it:
+
+* :mod:`shared.shard_format`: the Parquet part format (``_time``, ``_diff``, ``_error``, the
+  metadata), schema views, updates as tables of the part schema;
+* :mod:`shared.shard_merge`: consolidation and the merge of a run of batches (pure Arrow);
+* :mod:`shared.shard_read`: the read path (snapshot, updates between two times, listen).
+
+Names callers use (``TIME``, ``consolidate``, ``merge_table``, ...) are importable here too.
+
 Layout of a shard under ``shards/<shard_id>/``::
 
     state/00000000000000000042.json   sequence-numbered state objects (plain JSON, see
@@ -31,8 +41,9 @@ Schema versions: the state records every row schema version with the first upper
 holds (:meth:`Shard.alter_schema`). A part is written in the schema its writer had (its Parquet
 metadata names it: ``shardsink.schema``, the schema's fingerprint; a part without it was written
 under the first version) and is read as the schema of the state being read
-(:func:`conform_part`, :class:`shared.schema_evolution.Resolver`): snapshot, listen, read-back
-and merges all see one schema, the current one, and a merge writes its parts in it.
+(:func:`shared.shard_format.conform_part`, :class:`shared.schema_evolution.Resolver`): snapshot,
+listen, read-back and merges all see one schema, the current one, and a merge writes its parts
+in it.
 
 Safety of GC: data objects that no state references are deleted only after ``grace_ms``;
 staged batches older than ``grace_ms / 2`` are refused by append (StagedBatchExpiredError),
@@ -42,38 +53,49 @@ state seqno is never written again.
 
 from __future__ import annotations
 
-import io
-import json
 import re
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, TypeAlias
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from shared.avro_arrow import avro_to_arrow_schema, parse_row_schema, rows_to_arrow
-from shared.schema_evolution import Resolver
+from shared import shard_read
+from shared.avro_arrow import parse_row_schema
+from shared.avro_columns import ColumnCodec
 from shared.errors import (
     InvalidUsageError,
-    NotReadableYetError,
     SchemaMismatchError,
     ShardDroppedError,
     ShardExistsError,
     ShardNotFoundError,
-    SinceViolationError,
     StagedBatchExpiredError,
     StorageError,
     UpperMismatchError,
 )
 from shared.frontier import Frontier
 from shared.objectstore import ObjectStore, now_ms
+from shared.shard_format import (
+    DATA_FORMAT_VERSION,
+    DIFF,
+    ERROR,
+    SCHEMA_META_KEY,
+    TIME,
+    SchemaView,
+    Updates,
+    conform_part,
+    decode_part,
+    dictionary_columns,
+    encode_part,
+    part_schema,
+    schema_view,
+    updates_to_table,
+)
+from shared.shard_merge import MERGE_ROWS_PER_PART, consolidate, merge_table, merged_batch
+from shared.shard_read import ListenEvent
 from shared.versioned import AlreadyApplied, VersionedLog
 from shared.state import (
     CRITICAL,
@@ -98,18 +120,20 @@ from shared.state import (
     validate_times,
 )
 
-TIME = "_time"
-DIFF = "_diff"
-ERROR = "_error"
-DATA_FORMAT_VERSION = "1"
-#: Parquet metadata key of a part: the fingerprint (hex) of the row schema it was written in.
-SCHEMA_META_KEY = b"shardsink.schema"
+#: The shard's API: its own names, and those of the modules beside it that its callers use.
+__all__ = [
+    "Shard", "StagedBatch", "GcReport", "ListenEvent", "Merger", "Sweeper", "Updates",
+    "DEFAULT_GRACE_MS", "validate_shard_id",
+    # shared.shard_format
+    "DATA_FORMAT_VERSION", "DIFF", "ERROR", "SCHEMA_META_KEY", "TIME", "SchemaView",
+    "conform_part", "decode_part", "dictionary_columns", "part_schema", "schema_view",
+    # shared.shard_merge
+    "MERGE_ROWS_PER_PART", "consolidate", "merge_table", "merged_batch",
+]
+
 DEFAULT_GRACE_MS = 10 * 60 * 1000
-# A merge writes its result as parts of at most this many rows, encoded in parallel.
-MERGE_ROWS_PER_PART = 256 * 1024
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-Updates: TypeAlias = pa.Table | Sequence[tuple[Any, ...]]
 #: Merges a run of batches of a shard with times advanced to a since (see ``Shard.merger``).
 Merger: TypeAlias = "Callable[[Shard, Sequence[BatchMeta], Frontier, dict[str, Any] | None], BatchMeta | None]"
 #: Deletes the shard's data objects that are neither protected nor younger than the cutoff,
@@ -126,77 +150,6 @@ def validate_shard_id(shard_id: str) -> str:
             shard_id=shard_id,
         )
     return shard_id
-
-
-def part_schema(row_schema: pa.Schema) -> pa.Schema:
-    """The Parquet schema of a data object: row columns (nullable: error rows have no row),
-    then ``_time`` (uint64), ``_diff`` (int64), ``_error`` (string, null for ok rows)."""
-    fields = [pa.field(f.name, f.type, nullable=True) for f in row_schema]
-    fields += [
-        pa.field(TIME, pa.uint64(), nullable=False),
-        pa.field(DIFF, pa.int64(), nullable=False),
-        pa.field(ERROR, pa.string(), nullable=True),
-    ]
-    return pa.schema(fields)
-
-
-@dataclass(frozen=True, slots=True)
-class SchemaView:
-    """One row schema version and what the shard needs of it: its Arrow row and part schemas,
-    its resolver (rows of earlier versions read as it) and its fingerprint (hex)."""
-
-    schema: dict[str, Any]
-    row_schema: pa.Schema
-    part_schema: pa.Schema
-    resolver: Resolver
-    fingerprint: str
-
-    @property
-    def row_columns(self) -> list[str]:
-        return list(self.row_schema.names)
-
-
-def schema_view(schema: dict[str, Any]) -> SchemaView:
-    """The (cached) view of a row schema."""
-    return _schema_view(json.dumps(schema, sort_keys=True))
-
-
-@lru_cache(maxsize=64)
-def _schema_view(key: str) -> SchemaView:
-    from shared.codec import fingerprint
-
-    schema = json.loads(key)
-    rows = avro_to_arrow_schema(schema)
-    return SchemaView(schema, rows, part_schema(rows), Resolver.of(schema), fingerprint(schema).hex())
-
-
-def decode_part(data: bytes) -> pa.Table:
-    """A data object's Parquet bytes as a table (schema metadata kept).
-
-    Through :class:`pyarrow.parquet.ParquetFile` rather than :func:`pyarrow.parquet.read_table`,
-    whose dataset machinery costs more than the decoding of a part of 50k rows (20 parts of
-    50k rows, 8.2 MB, on 8 threads: 102 -> 57 ms of CPU, 56 -> 29 ms of wall time)."""
-    return pq.ParquetFile(pa.BufferReader(data)).read()
-
-
-def conform_part(table: pa.Table, view: SchemaView) -> pa.Table:
-    """A part's table (written in any accepted version of the schema) as a table of
-    ``view``'s part schema: row columns resolved (added columns take their default, promoted
-    types are cast, removed columns dropped; error rows keep null rows), then ``_time``,
-    ``_diff``, ``_error``. A part written in ``view``'s schema costs a comparison."""
-    target = view.part_schema
-    if table.schema.equals(target):
-        return table
-    if view.resolver.is_current(table.schema):
-        return table.select(target.names).cast(target)
-    errors = None
-    if ERROR in table.column_names and table[ERROR].null_count < table.num_rows:
-        errors = table[ERROR].is_valid().combine_chunks()
-    rows = view.resolver.resolve(table, null_where=errors)
-    for name in (TIME, DIFF, ERROR):
-        col = table[name] if name in table.column_names else pa.nulls(table.num_rows, target.field(name).type)
-        rows = rows.append_column(name, col)
-    return rows.cast(target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,222 +189,10 @@ class StagedBatch:
 
 
 @dataclass(frozen=True, slots=True)
-class ListenEvent:
-    """Updates with times in ``[lower, upper)`` (consolidated), then progress to ``upper``."""
-
-    lower: Frontier
-    upper: Frontier
-    updates: pa.Table
-
-
-@dataclass(frozen=True, slots=True)
 class GcReport:
     data_deleted: int
     states_deleted: int
     retired_forgotten: int
-
-
-def consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
-    """Sum ``_diff`` over equal ``keys`` and drop zero sums.
-
-    Vectorised with Arrow: sort on the keys, mark rows equal to their predecessor, sum the
-    diffs of each run of equal rows (:func:`_consolidate_sorted`). Key types Arrow cannot sort
-    or compare (lists, maps, structs) take Arrow's hash aggregation, then a Python fallback.
-    Rows are equal when their values are bitwise equal (floats compare by their bits, so
-    ``0.0`` and ``-0.0`` stay apart and equal NaNs consolidate), as their encoded bytes are.
-    """
-    if table.num_rows == 0:
-        return table.select([*keys, DIFF])
-    out = _consolidate_sorted(table, keys)
-    if out is None:
-        try:
-            out = table.group_by(list(keys), use_threads=True).aggregate([(DIFF, "sum")])
-        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
-            out = _consolidate_py(table, keys)
-        else:
-            out = out.rename_columns([*keys, DIFF])
-        out = out.select([*keys, DIFF])
-    # The input's fields (nullability included: a sum or a sort may report its column nullable).
-    out = out.cast(pa.schema([table.schema.field(n) for n in out.column_names]))
-    diffs = out[DIFF]
-    if diffs.null_count == 0 and pc.all(pc.not_equal(diffs, 0)).as_py():
-        return out
-    return out.filter(pc.not_equal(diffs, 0))
-
-
-#: Rows of a column sampled to decide whether its Parquet chunks use a dictionary.
-_DICTIONARY_SAMPLE = 4096
-
-
-def _even_sample(col: pa.ChunkedArray, k: int) -> pa.ChunkedArray:
-    """Up to ``k`` values of ``col`` at evenly spaced rows, taken chunk by chunk: a take on a
-    chunked array concatenates its chunks first (a merge's table is one chunk per part read,
-    and that copy of every column cost more than the rest of the sampling)."""
-    n = len(col)
-    if n <= k:
-        return col
-    idx = np.linspace(0, n - 1, k).astype(np.int64)
-    offsets = np.cumsum([0, *(len(c) for c in col.chunks)])
-    which = np.searchsorted(offsets, idx, side="right") - 1
-    chunks = [col.chunk(int(c)).take(pa.array(idx[which == c] - offsets[c])) for c in np.unique(which)]
-    return pa.chunked_array(chunks, type=col.type)
-
-
-def dictionary_columns(table: pa.Table) -> list[str]:
-    """The Parquet leaf columns of ``table`` worth a dictionary: those of a flat column whose
-    values repeat (at most half as many distinct values as rows in an even sample of up to
-    4096 rows), and every leaf of a nested column (Parquet's default).
-
-    Parquet's writer tries a dictionary on every column and falls back to plain encoding once
-    the dictionary page outgrows its limit; on a column of mostly distinct values (ids,
-    amounts) that attempt costs about as much as the rest of the encoding, makes the part
-    larger and its decoding slower (measured on 1M rows of (long id, string of 1,000 values,
-    double): encoding 0.117 -> 0.060 CPU-s, 10.3 -> 8.2 MB)."""
-    out: list[str] = []
-    nested = [f.name for f in table.schema if pa.types.is_nested(f.type)]
-    if nested:
-        out += [c for c in _leaf_paths(table.schema) if c.split(".", 1)[0] in nested]
-    for f in table.schema:
-        if pa.types.is_nested(f.type) or pa.types.is_boolean(f.type):
-            continue
-        col = _even_sample(table[f.name], _DICTIONARY_SAMPLE)
-        try:
-            repeats = len(col) == 0 or pc.count_distinct(col, mode="all").as_py() * 2 <= len(col)
-        except (pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            repeats = True  # a type Arrow cannot count: Parquet's default
-        if repeats:
-            out.append(f.name)
-    return out
-
-
-_LEAF_PATHS: dict[pa.Schema, list[str]] = {}
-
-
-def _leaf_paths(schema: pa.Schema) -> list[str]:
-    """Parquet leaf column paths of an Arrow schema (``s.a``, ``l.list.element``, ...)."""
-    paths = _LEAF_PATHS.get(schema)
-    if paths is None:
-        buf = io.BytesIO()
-        pq.write_table(schema.empty_table(), buf)
-        meta = pq.read_metadata(io.BytesIO(buf.getvalue()))
-        paths = _LEAF_PATHS[schema] = [meta.schema.column(i).path for i in range(len(meta.schema))]
-    return paths
-
-
-def merge_table(table: pa.Table, since: Frontier, row_columns: Sequence[str], schema: pa.Schema) -> pa.Table:
-    """The rows of a merge: times advanced to ``since``, updates of equal ``(row, _error,
-    _time)`` consolidated, zero sums dropped, in the part ``schema``. Pure: the controller's
-    process and Spark's executors (services/controller/spark_jobs.py) merge with it alike."""
-    if since.time is not None and table.num_rows:
-        advanced = pc.max_element_wise(table[TIME], pa.scalar(since.time, pa.uint64()))
-        table = table.set_column(table.schema.get_field_index(TIME), TIME, advanced)
-    table = consolidate(table, [*row_columns, ERROR, TIME]).select(schema.names)
-    return table if table.schema == schema else table.cast(schema)
-
-
-def merged_batch(run: Sequence[BatchMeta], since: Frontier, parts: Sequence[Part]) -> BatchMeta | None:
-    """The batch that replaces ``run`` (None when every update cancelled): it covers the run's
-    ``[lower, upper)``, its since is the shard's (or the run's last when the shard is closed)."""
-    rows = sum(p.rows for p in parts)
-    if rows == 0:
-        return None
-    return BatchMeta(
-        id=uuid.uuid4().hex,
-        lower=run[0].lower,
-        upper=run[-1].upper,
-        since=since if not since.is_empty() else run[-1].since,
-        parts=tuple(parts),
-        rows=rows,
-    )
-
-
-def _bitwise(col: pa.ChunkedArray) -> pa.ChunkedArray:
-    """Floats viewed as integers of their width: equal bits sort together and compare equal."""
-    t = col.type
-    if pa.types.is_floating(t):
-        it = {16: pa.int16(), 32: pa.int32(), 64: pa.int64()}[t.bit_width]
-        return pa.chunked_array([c.view(it) for c in col.chunks], type=it)
-    return col
-
-
-def _most_distinct_first(keys: pa.Table) -> list[str]:
-    """The columns of ``keys``, those with the most distinct values (in an even sample of up
-    to 4096 rows) first; ties keep their order.
-
-    Equal rows are equal in every key whatever the order the sort takes them in, but the sort
-    is much cheaper when its first key settles most comparisons: 1M rows of (string of 1,000
-    values, unique long, double, ...) sort in 128 ms of CPU with the string first, 17 ms with
-    the long first."""
-    if keys.num_columns < 2 or keys.num_rows < 2:
-        return list(keys.column_names)
-    distinct: dict[str, int] = {}
-    for name in keys.column_names:
-        col = _even_sample(keys[name], _DICTIONARY_SAMPLE)
-        try:
-            distinct[name] = pc.count_distinct(col, mode="all").as_py()
-        except (pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            distinct[name] = 0  # a type Arrow cannot count: last
-    return sorted(keys.column_names, key=lambda c: -distinct[c])
-
-
-def _consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table | None:
-    """Sort-based consolidation; None when a key type cannot be sorted or compared.
-
-    1. sort the keys (floats by their bits, nulls last; the most distinct key first, see
-       :func:`_most_distinct_first`): equal rows become adjacent;
-    2. ``same[i]``: sorted row ``i + 1`` equals row ``i`` in every key (null equals null),
-       built key by key;
-    3. no equal neighbours (after any key): the input is already consolidated, returned
-       unsorted (no take of the rows);
-    4. else each run of equal rows starts where ``same`` is false: ``np.add.reduceat`` sums
-       its diffs and the run's first row stands for it.
-    """
-    names = [f"k{i}" for i in range(len(keys))]
-    try:
-        sk = pa.table([_bitwise(table[k]) for k in keys], names=names)
-        names = _most_distinct_first(sk)
-        idx = pc.sort_indices(sk, [(n, "ascending") for n in names])
-        n = table.num_rows
-        same: pa.Array | None = None
-        for name in names if n > 1 else []:
-            # Column by column, stopping once no neighbours are equal so far: a unique
-            # leading column (an id) settles it without touching the others.
-            c = sk[name].combine_chunks().take(idx)
-            a, b = c.slice(1), c.slice(0, n - 1)
-            eq = pc.equal(a, b)
-            if eq.null_count:
-                eq = pc.or_kleene(pc.fill_null(eq, False), pc.and_(pc.is_null(a), pc.is_null(b)))
-            same = eq if same is None else pc.and_(same, eq)
-            if not pc.any(same).as_py():
-                return table.select([*keys, DIFF])
-    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
-        return None
-    if same is None:
-        return table.select([*keys, DIFF])
-    starts = np.flatnonzero(np.concatenate([[True], ~same.to_numpy(zero_copy_only=False)]))
-    order = idx.to_numpy()
-    diffs = table[DIFF].to_numpy()[order]
-    sums = np.add.reduceat(diffs, starts)
-    firsts = pa.array(order[starts])
-    out = table.select(list(keys)).take(firsts)
-    return out.append_column(DIFF, pa.array(sums, pa.int64()))
-
-
-def _consolidate_py(table: pa.Table, keys: Sequence[str]) -> pa.Table:
-    """Fallback for key types Arrow's hash aggregation does not support (lists, maps)."""
-    import json
-
-    sums: dict[str, int] = {}
-    first: dict[str, dict[str, Any]] = {}
-    cols = table.select(list(keys)).to_pylist()
-    diffs = table[DIFF].to_pylist()
-    for row, d in zip(cols, diffs, strict=True):
-        k = json.dumps(row, sort_keys=True, default=repr)
-        sums[k] = sums.get(k, 0) + d
-        first.setdefault(k, row)
-    rows = [{**first[k], DIFF: v} for k, v in sums.items()]
-    schema = table.select([*keys, DIFF]).schema
-    return pa.Table.from_pylist(rows, schema=schema)
 
 
 class Shard:
@@ -599,89 +340,27 @@ class Shard:
         Accepts an Arrow table with the row columns, ``_time`` and ``_diff`` (``_error``
         optional), or a sequence of ``(row_dict, time, diff)`` / ``(None, time, diff, error)``.
         """
-        view = self.view(schema)
-        target = view.part_schema
-        if isinstance(updates, pa.Table):
-            table = updates
-        else:
-            rows, times, diffs, errors = [], [], [], []
-            for u in updates:
-                if len(u) not in (3, 4):
-                    raise InvalidUsageError(f"expected (row, time, diff[, error]), found {u!r}")
-                row, t, d = u[0], u[1], u[2]
-                err = u[3] if len(u) == 4 else None
-                rows.append(row)
-                times.append(t)
-                diffs.append(d)
-                errors.append(err)
-            ok_rows = [r for r in rows if r is not None]
-            if ok_rows:
-                body = rows_to_arrow(ok_rows, view.schema)
-                if len(ok_rows) != len(rows):
-                    # Interleave null rows for the error entries.
-                    idx, taken = [], 0
-                    for r in rows:
-                        idx.append(taken if r is not None else None)
-                        taken += r is not None
-                    body = body.take(pa.array(idx, type=pa.int64()))
-            else:
-                body = pa.table({f.name: pa.nulls(len(rows), f.type) for f in view.row_schema})
-            try:
-                table = body.append_column(TIME, pa.array(times, pa.uint64()))
-            except (pa.ArrowInvalid, OverflowError, TypeError) as e:
-                raise InvalidUsageError(f"expected times in [0, 2**64), found: {e}") from e
-            table = table.append_column(DIFF, pa.array(diffs, pa.int64()))
-            table = table.append_column(ERROR, pa.array(errors, pa.string()))
-        if ERROR not in table.column_names:
-            table = table.append_column(ERROR, pa.nulls(table.num_rows, pa.string()))
-        missing = [n for n in target.names if n not in table.column_names]
-        if missing:
-            raise SchemaMismatchError(
-                f"expected columns {target.names}, found {table.column_names} (missing {missing})"
-            )
-        table = table.select(target.names)
-        try:
-            return table.cast(target)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-            raise SchemaMismatchError(f"expected updates castable to {target}, found: {e}") from e
+        return updates_to_table(updates, self.view(schema))
 
     # -- data objects ----------------------------------------------------------------------
     def _write_part(
         self, table: pa.Table, tag: str | None = None, *, view: SchemaView | None = None,
         dictionary: Sequence[str] | None = None,
     ) -> Part:
-        """Write one data object. ``dictionary``: its columns worth a dictionary, when the
-        caller knows them (:func:`dictionary_columns` of the table it was sliced from)."""
-        buf = io.BytesIO()
-        meta = {
-            b"shardsink.format": DATA_FORMAT_VERSION.encode(),
-            b"shardsink.shard": self.shard_id.encode(),
-            SCHEMA_META_KEY: (view or self.view()).fingerprint.encode(),
-        }
-        pq.write_table(
-            table.replace_schema_metadata(meta), buf, compression="snappy",
-            use_dictionary=list(dictionary_columns(table) if dictionary is None else dictionary),
-            write_statistics=[TIME],
+        """Write one data object (:func:`shared.shard_format.encode_part`). ``dictionary``: its
+        columns worth a dictionary, when the caller knows them (:func:`dictionary_columns` of
+        the table it was sliced from)."""
+        data = encode_part(
+            table, shard_id=self.shard_id, schema_fingerprint=(view or self.view()).fingerprint,
+            dictionary=dictionary,
         )
-        data = buf.getvalue()
         key = self._data_key(tag)
         self.store.put(key, data, if_absent=True)
         errors = table.num_rows - table[ERROR].null_count if ERROR in table.column_names else 0
         return Part(key=key, rows=table.num_rows, bytes=len(data), errors=errors)
 
     def _read_parts(self, keys: Sequence[str], view: SchemaView | None = None) -> pa.Table:
-        view = view or self.view()
-        if not keys:
-            return view.part_schema.empty_table()
-
-        def one(k: str) -> pa.Table:
-            return conform_part(decode_part(self.store.get(k)), view)
-
-        if len(keys) == 1:
-            return one(keys[0])
-        with ThreadPoolExecutor(max_workers=min(self._io_threads, len(keys))) as ex:
-            tables = list(ex.map(one, keys))
-        return pa.concat_tables(tables)
+        return shard_read.read_parts(self.store, keys, view or self.view(), threads=self._io_threads)
 
     def read_parts(self, keys: Sequence[str], *, schema: dict[str, Any] | None = None) -> pa.Table:
         """The rows of the given data objects in the part schema of ``schema`` (default: the
@@ -696,25 +375,7 @@ class Shard:
         part names its version in its metadata; one without it was written under the first.
         The version is looked up in ``state`` (default: the cached head)."""
         st = state or self.head(max_age_s=1e9)
-        versions = {schema_view(v.schema).fingerprint: v.schema for v in st.versions}
-        first = st.versions[0].schema
-
-        def one(k: str) -> tuple[dict[str, Any], pa.Table]:
-            t = decode_part(self.store.get(k))
-            fp = (t.schema.metadata or {}).get(SCHEMA_META_KEY)
-            schema = first if fp is None else versions.get(fp.decode())
-            if schema is None:
-                raise SchemaMismatchError(
-                    f"expected a part written in a schema version of {self.shard_id!r}, found "
-                    f"{k!r} written in an unknown one ({fp!r})",
-                    shard_id=self.shard_id,
-                )
-            return schema, conform_part(t, schema_view(schema))
-
-        if len(keys) <= 1:
-            return [one(k) for k in keys]
-        with ThreadPoolExecutor(max_workers=min(self._io_threads, len(keys))) as ex:
-            return list(ex.map(one, keys))
+        return shard_read.read_parts_as_written(self.store, keys, st, self.shard_id, threads=self._io_threads)
 
     def stage(
         self,
@@ -752,8 +413,6 @@ class Shard:
         the oldest object's, as the store dates it, so the append's age check guards them
         against GC like any staged batch. InvalidUsageError, SchemaMismatchError or
         EncodeError name the first object that fails."""
-        from shared.avro_columns import ColumnCodec
-
         prefix = f"{self.prefix}data/"
         if not keys:
             raise InvalidUsageError("expected at least one staged data object, found none", shard_id=self.shard_id)
@@ -909,30 +568,14 @@ class Shard:
         return result
 
     # -- reads -----------------------------------------------------------------------------
+    @property
+    def io_threads(self) -> int:
+        """How many data objects this handle reads (or a merge encodes) at once."""
+        return self._io_threads
+
     def _wait_readable(self, as_of: int, timeout_s: float) -> ShardState:
-        deadline = time.monotonic() + timeout_s
-        state = self.refresh()
-        while True:
-            if state.dropped:
-                raise ShardDroppedError(f"expected a live shard, found {self.shard_id!r} dropped")
-            if not state.since.less_equal(Frontier.at(as_of)):
-                raise SinceViolationError(
-                    f"expected as_of >= since {state.since!r}, found {as_of}",
-                    shard_id=self.shard_id,
-                    as_of=as_of,
-                    since=state.since,
-                )
-            if state.upper.is_empty() or as_of < (state.upper.time or 0):
-                return state
-            if time.monotonic() >= deadline:
-                raise NotReadableYetError(
-                    f"expected as_of < upper {state.upper!r}, found {as_of} (waited {timeout_s}s)",
-                    shard_id=self.shard_id,
-                    as_of=as_of,
-                    upper=state.upper,
-                )
-            time.sleep(0.02)
-            state = self.refresh()
+        """The head once ``since <= as_of < upper`` (:func:`shared.shard_read.wait_readable`)."""
+        return shard_read.wait_readable(self, as_of, timeout_s)
 
     def snapshot(self, as_of: int, *, timeout_s: float = 0.0) -> pa.Table:
         """Consolidated contents at ``as_of``: row columns, ``_error``, ``_diff``.
@@ -940,33 +583,12 @@ class Shard:
         Valid iff ``since <= as_of < upper``. Below since: SinceViolationError. At or beyond
         upper: waits up to ``timeout_s`` for the upper to pass, then NotReadableYetError.
         """
-        state = self._wait_readable(as_of, timeout_s)
-        # Times only ever advance (to since <= as_of), so a batch whose lower is beyond
-        # as_of holds nothing visible at as_of.
-        visible = [b for b in state.batches if b.lower.beyond(as_of)]
-        view = self.view(state.schema)
-        table = self._read_parts([p.key for b in visible for p in b.parts], view)
-        # A batch's times are below its upper: when every upper is at most as_of + 1, every
-        # time is at or before as_of and the filter has nothing to drop.
-        if table.num_rows and not all(b.upper.less_equal(Frontier.at(as_of + 1)) for b in visible):
-            table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
-        return consolidate(table, [*view.row_columns, ERROR])
+        return shard_read.snapshot(self, as_of, timeout_s=timeout_s)
 
     def updates_between(self, state: ShardState, lower: int, upper: Frontier) -> pa.Table:
         """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time), in
         the current row schema."""
-        keys = [p.key for b in state.batches if not b.upper.less_equal(Frontier.at(lower)) for p in b.parts]
-        # In the newest schema this handle knows (the row columns its callers see), which is
-        # never older than the parts of ``state``.
-        head = self.head(max_age_s=1e9)
-        view = self.view(state.schema if state.seqno > head.seqno else head.schema)
-        table = self._read_parts(keys, view)
-        if table.num_rows:
-            mask = pc.greater_equal(table[TIME], pa.scalar(lower, pa.uint64()))
-            if upper.time is not None:
-                mask = pc.and_(mask, pc.less(table[TIME], pa.scalar(upper.time, pa.uint64())))
-            table = table.filter(mask)
-        return consolidate(table, [*view.row_columns, ERROR, TIME]).select(view.part_schema.names)
+        return shard_read.updates_between(self, state, lower, upper)
 
     def listen(
         self,
@@ -982,31 +604,7 @@ class Shard:
         Stops when ``stop()`` is true, at ``timeout_s`` without progress, or when the shard is
         dropped or closed.
         """
-        state = self.refresh()
-        if state.dropped:
-            raise ShardDroppedError(f"expected a live shard, found {self.shard_id!r} dropped")
-        if not state.since.less_equal(Frontier.at(as_of)):
-            raise SinceViolationError(f"expected as_of >= since {state.since!r}, found {as_of}")
-        progress = as_of + 1
-        last_progress = time.monotonic()
-        while True:
-            if stop is not None and stop():
-                return
-            state = self.refresh()
-            if state.dropped:
-                return
-            if state.upper.less_equal(Frontier.at(progress)):
-                if timeout_s is not None and time.monotonic() - last_progress > timeout_s:
-                    return
-                time.sleep(poll_s)
-                continue
-            updates = self.updates_between(state, progress, state.upper)
-            yield ListenEvent(Frontier.at(progress), state.upper, updates)
-            if state.upper.is_empty():
-                return
-            assert state.upper.time is not None
-            progress = state.upper.time
-            last_progress = time.monotonic()
+        return shard_read.listen(self, as_of, poll_s=poll_s, stop=stop, timeout_s=timeout_s)
 
     # -- reader holds ----------------------------------------------------------------------
     def register_reader(self, reader_id: str, *, kind: str = LEASED, lease_ms: int = 60_000) -> ShardState:

@@ -23,6 +23,17 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 
+#: Fixtures that start the embedded stack or Spark: a test that uses one (directly or through
+#: another fixture) is marked ``stack`` and left out of ``make test-fast``.
+STACK_FIXTURES = frozenset({"stack", "s3_client", "spark", "standalone_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.stack)
+
+
 @pytest.fixture(scope="session")
 def stack() -> Iterator[EmbeddedStack]:
     with EmbeddedStack() as s:

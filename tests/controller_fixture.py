@@ -12,10 +12,10 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from services.runtime.settings import ServiceSettings
-from services.controller.client import ControllerClient, body_kind
 from services.controller.service import ControllerSettings
 from shared.codec import RowCodec, message_codec
 from shared.devstack.embedded import EmbeddedStack
+from shared.io.controller_client import ControllerClient, body_kind
 from shared.io.kafka import new_consumer
 
 SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}, {"name": "v", "type": "string"}]}

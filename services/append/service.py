@@ -59,11 +59,9 @@ from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError, StagedBatchExpiredError, UpperMismatchError
 from shared.shard import Shard, StagedBatch
-from shared.sink_state import (
+from shared.append_state import (
     AppendAction,
     AppendState,
-    BatchDescription,
-    BatchReport,
     Committed,
     DeleteStaged,
     EnsureUpperAtLeast,
@@ -71,6 +69,7 @@ from shared.sink_state import (
     ReadyToAppend,
     UpperMismatch,
 )
+from shared.sink_messages import BatchDescription, BatchReport
 
 log = logging.getLogger("shardsink.append")
 
@@ -184,7 +183,7 @@ class SinkAppender:
 
 
 def start_append_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkAppender] | None = None) -> Any:
-    from shared.spark.kafka import _connector, kafka_read_stream
+    from shared.spark.kafka_connector import _connector, kafka_read_stream
 
     appender = SinkAppender.create(sink, settings)
     checkpoint = checkpoint_path(settings, "append", sink)

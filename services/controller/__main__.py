@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 
 from services.runtime.settings import ServiceSettings
 from services.runtime.logs import configure_logging
+from services.runtime.metrics import start_controller_metrics
 from services.controller.service import Controller, ControllerSettings
 from services.controller.spark_jobs import SparkJobSettings
 
@@ -94,8 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     controller = Controller(settings_from(args))
     stop = threading.Event()
     controller.start()
-    from services.runtime.metrics import start_controller_metrics
-
     start_controller_metrics(controller)
 
     def _h(*_: object) -> None:

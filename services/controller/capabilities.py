@@ -17,30 +17,37 @@ Contract:
 
 from __future__ import annotations
 
-from services.controller.loop import CommandLoop
-from services.controller.model import READER_ID
-from shared.catalog import CatalogState
+from services.controller.context import ControllerContext
+from services.controller.maintenance import MaintenanceRoom
+from services.controller.model import READER_ID, Tick
 from shared.controller_state import collection_holds
 from shared.read_policy import policy_from_json
-from shared.state import ShardState
 
 
-class CapabilitiesRoom(CommandLoop):
-    """The controller's read capabilities room (see the module docstring)."""
+class CapabilitiesRoom:
+    """The controller's read capabilities room (see the module docstring); it asks
+    ``maintenance`` for the merges a moved since or a new batch calls for."""
+
+    def __init__(self, ctx: ControllerContext, maintenance: MaintenanceRoom) -> None:
+        self.ctx = ctx
+        self.maintenance = maintenance
 
     # -- read capabilities ----------------------------------------------------------------------
-    def _move_sinces(self, catalog: CatalogState, heads: dict[str, ShardState]) -> None:
-        for cid, st in heads.items():
+    def move_sinces(self, tick: Tick) -> None:
+        """Tick step: move each live collection's since to the meet of its implied capability
+        and its holds."""
+        ctx = self.ctx
+        for cid, st in tick.heads.items():
             if st.dropped:
                 continue
-            col = self.collections[cid]
-            c = catalog.collections[cid]
+            col = ctx.collections[cid]
+            c = tick.catalog.collections[cid]
             policy = policy_from_json(c.read_policy, default_since=c.since)
             holds = collection_holds(
                 cid,
-                ((p.command_id, p.collection_id, p.as_of) for p in self.peeks.values()),
-                self.section.subs,
-                (s.sink_id for s in catalog.live_sinks() if s.collection_id == cid),
+                ((p.command_id, p.collection_id, p.as_of) for p in ctx.peeks.values()),
+                ctx.section.subs,
+                (s.sink_id for s in tick.catalog.live_sinks() if s.collection_id == cid),
                 st.upper,
             )
             col.caps = col.caps.advance_implied(policy, st.upper).with_holds(holds)
@@ -51,6 +58,5 @@ class CapabilitiesRoom(CommandLoop):
             if moved:
                 st = col.shard.downgrade_since(READER_ID, target)
             if moved or len(st.batches) != col.batches_seen:
-                assert self.maintenance is not None
                 self.maintenance.request(cid, below_since=moved, compact=True)
                 col.batches_seen = len(st.batches)

@@ -24,7 +24,7 @@ import contextlib
 import json
 from typing import Any
 
-from services.controller.loop import CommandLoop, log
+from services.controller.context import ControllerContext, log
 from services.controller.model import digest
 from shared.avro_arrow import parse_row_schema
 from shared.catalog import (
@@ -47,11 +47,14 @@ from shared.read_policy import ValidFrom, check_reaches_since, policy_from_avro
 from shared.shard import validate_shard_id
 
 
-class CollectionsRoom(CommandLoop):
+class CollectionsRoom:
     """The controller's collections and sinks room (see the module docstring)."""
 
+    def __init__(self, ctx: ControllerContext) -> None:
+        self.ctx = ctx
+
     # -- collections ---------------------------------------------------------------------------
-    def handle_CreateCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+    def create_collection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         collection_id = validate_shard_id(b["collection_id"])
         try:
             schema = parse_row_schema(json.loads(b["row_schema"]))
@@ -61,74 +64,74 @@ class CollectionsRoom(CommandLoop):
         policy = ValidFrom(Frontier.at(since)) if b.get("read_policy") is None else policy_from_avro(b["read_policy"])
         cdef = CollectionDef(collection_id, schema, since, policy.to_json())
         create = create_collection_transition(cdef)
-        create(self.catalog.state())  # validate first: reuse of a dropped or other definition
+        create(self.ctx.catalog.state())  # validate first: reuse of a dropped or other definition
         # 1. the shard (idempotent: opens it if a crash left it without a catalog entry)
-        col = self._open_collection(cdef)
+        col = self.ctx.open_collection(cdef)
         st = col.shard.refresh()
         # 2. catalog entry, response, offset in one commit
-        self._answer(
+        self.ctx.answer(
             cid,
-            self._ack(cid, collection_id=collection_id, since=st.since.to_json(), upper=st.upper.to_json()),
+            self.ctx.ack(cid, collection_id=collection_id, since=st.since.to_json(), upper=st.upper.to_json()),
             where=where,
             offset=off,
             change=lambda s, sec: create(s),
         )
 
-    def handle_AlterCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+    def alter_collection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         """A new row schema: accepted iff rows of every earlier version read as it (the shard
         checks, :mod:`shared.schema_evolution`; IncompatibleSchema names the field and the rule,
         and nothing changes). The shard records the version first (what readers and the sink
         follow), then the catalog, with the answer; a replay finds the shard current already."""
-        c = self.catalog.state().collection(b["collection_id"])
+        c = self.ctx.catalog.state().collection(b["collection_id"])
         try:
             schema = json.loads(b["row_schema"])
         except json.JSONDecodeError as e:
             raise CommandRejected("SchemaError", f"expected the row schema as JSON text, found: {e}") from None
         # 1. the shard: validates against every version, records the new one from its upper
-        st = self.collections[c.collection_id].shard.alter_schema(schema)
+        st = self.ctx.collections[c.collection_id].shard.alter_schema(schema)
         current = st.versions[-1]
         alter = alter_collection_schema_transition(c.collection_id, st.schema)
         # 2. catalog entry, response, offset in one commit
-        self._answer(
+        self.ctx.answer(
             cid,
-            self._ack(cid, collection_id=c.collection_id, schema_version=len(st.versions) - 1,
+            self.ctx.ack(cid, collection_id=c.collection_id, schema_version=len(st.versions) - 1,
                       from_upper=current.from_upper.to_json()),
             where=where, offset=off, change=lambda s, sec: alter(s),
         )
 
-    def handle_SetReadPolicy(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+    def set_read_policy(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         policy = policy_from_avro(b["policy"])
         alter = alter_collection_transition(b["collection_id"], policy.to_json())
-        alter(self.catalog.state())
+        alter(self.ctx.catalog.state())
         # A policy that reaches below the since is refused; the answer says what the since is.
-        state = self.collections[b["collection_id"]].shard.refresh()
+        state = self.ctx.collections[b["collection_id"]].shard.refresh()
         check_reaches_since(policy, b["collection_id"], state.since, state.upper)
-        self._answer(
-            cid, self._ack(cid, collection_id=b["collection_id"], policy=policy.to_json(), since=state.since.to_json()),
+        self.ctx.answer(
+            cid, self.ctx.ack(cid, collection_id=b["collection_id"], policy=policy.to_json(), since=state.since.to_json()),
             where=where, offset=off, change=lambda s, sec: alter(s),
         )
 
-    def handle_DropCollection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+    def drop_collection(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         collection_id = b["collection_id"]
-        state = self.catalog.state()
+        state = self.ctx.catalog.state()
         state.collection(collection_id)  # a dropped or unknown id is an error
         # The sinks that write it go with it; the ack names them.
         sinks = [k.sink_id for k in state.live_sinks(collection_id)]
         drop = drop_collection_transition(collection_id)
-        due = now_ms() + self.settings.reclaim_grace_ms
+        due = now_ms() + self.ctx.settings.reclaim_grace_ms
 
         def t(s: CatalogState, sec: ControllerSection) -> CatalogState:
             sec.reclaim[collection_id] = due
             return drop(s)
 
-        self._answer(cid, self._ack(cid, collection_id=collection_id, sinks_dropped=sinks), where=where, offset=off,
+        self.ctx.answer(cid, self.ctx.ack(cid, collection_id=collection_id, sinks_dropped=sinks), where=where, offset=off,
                      change=t)
         # Readers are told at once (peeks answered, subscribes closed, upper {} reported) and
         # the storage is reclaimed, by the tick.
 
     # -- sinks -----------------------------------------------------------------------------------
-    def handle_CreateSink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
-        state = self.catalog.state()
+    def create_sink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        state = self.ctx.catalog.state()
         c = state.collection(b["collection_id"])
         as_of = b.get("as_of")
         if as_of is None:
@@ -136,23 +139,23 @@ class CollectionsRoom(CommandLoop):
             if existing is not None and not existing.dropped:
                 as_of = existing.as_of
             else:
-                upper = self.collections[c.collection_id].shard.refresh().upper
+                upper = self.ctx.collections[c.collection_id].shard.refresh().upper
                 as_of = upper.time if upper.time is not None else 0
         sink = SinkDef(b["sink_id"], b["desired_topic"], c.collection_id, as_of=int(as_of), read_only=bool(b.get("read_only")))
         create = create_sink_transition(sink)
         create(state)
-        self._answer(
-            cid, self._ack(cid, sink_id=sink.sink_id, as_of=sink.as_of),
+        self.ctx.answer(
+            cid, self.ctx.ack(cid, sink_id=sink.sink_id, as_of=sink.as_of),
             where=where, offset=off, change=lambda s, sec: create(s),
         )
 
-    def handle_DropSink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
-        self.catalog.state().sink(b["sink_id"])
+    def drop_sink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        self.ctx.catalog.state().sink(b["sink_id"])
         drop = drop_sink_transition(b["sink_id"])
-        self._answer(cid, self._ack(cid, sink_id=b["sink_id"]), where=where, offset=off, change=lambda s, sec: drop(s))
+        self.ctx.answer(cid, self.ctx.ack(cid, sink_id=b["sink_id"]), where=where, offset=off, change=lambda s, sec: drop(s))
 
-    def handle_AllowWrites(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
-        state = self.catalog.state()
+    def allow_writes(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        state = self.ctx.catalog.state()
         ids = b.get("sink_ids")
         if ids is None:
             ids = [s.sink_id for s in state.live_sinks()]
@@ -165,26 +168,28 @@ class CollectionsRoom(CommandLoop):
                 s = f(s)
             return s
 
-        self._answer(cid, self._ack(cid, sink_ids=list(ids)), where=where, offset=off, change=t)
+        self.ctx.answer(cid, self.ctx.ack(cid, sink_ids=list(ids)), where=where, offset=off, change=t)
+        # Imported here: services.runner brings the sink services' runtime along, which the
+        # controller process does not otherwise load.
         from services.runner import nudge
 
         for sid in ids:
             try:
-                nudge(self.settings.service, state.sinks[sid])
+                nudge(self.ctx.settings.service, state.sinks[sid])
             except Exception as e:  # noqa: BLE001 - a nudge only speeds things up
                 log.warning("nudge failed: %r", e, extra={"sink_id": sid})
 
     # -- append ----------------------------------------------------------------------------------
-    def handle_Append(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+    def append(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         collection_id = b["collection_id"]
-        self.catalog.state().collection(collection_id)
-        col = self.collections[collection_id]
+        self.ctx.catalog.state().collection(collection_id)
+        col = self.ctx.collections[collection_id]
         token = f"cmd-{digest(cid)}"
         state = col.shard.refresh()
         if state.find_token(token) is None:
             # A sink corrects its collection to its desired topic: rows appended here would be
             # retracted at its next step, silently. Refused while any sink is defined on it.
-            sinks = sorted(k.sink_id for k in self.catalog.state().live_sinks() if k.collection_id == collection_id)
+            sinks = sorted(k.sink_id for k in self.ctx.catalog.state().live_sinks() if k.collection_id == collection_id)
             if sinks:
                 raise CommandRejected(
                     "InvalidUsage",
@@ -238,4 +243,4 @@ class CollectionsRoom(CommandLoop):
                     with contextlib.suppress(ShardsinkError):  # the refusal is what to answer; GC
                         col.shard.delete_staged(staged[1:])  # reclaims what this leaves
                     raise
-        self._answer(cid, self._ack(cid, collection_id=collection_id, upper=state.upper.to_json()), where=where, offset=off)
+        self.ctx.answer(cid, self.ctx.ack(cid, collection_id=collection_id, upper=state.upper.to_json()), where=where, offset=off)

@@ -14,26 +14,31 @@ Contract:
 
 from __future__ import annotations
 
-from services.controller.loop import CommandLoop
+from services.controller.context import ControllerContext
+from services.controller.model import Tick
 from shared.catalog import CatalogState
 from shared.controller_state import ControllerSection, record_reports, upper_reports
-from shared.state import ShardState
 
 
-class FrontiersRoom(CommandLoop):
+class FrontiersRoom:
     """The controller's frontier reporting room (see the module docstring)."""
 
+    def __init__(self, ctx: ControllerContext) -> None:
+        self.ctx = ctx
+
     # -- frontier reporting ---------------------------------------------------------------------
-    def _report_uppers(self, catalog: CatalogState, heads: dict[str, ShardState]) -> None:
-        dropped = [cid for cid, c in catalog.collections.items() if c.dropped]
-        changes = upper_reports(self.section.reported, {cid: st.upper for cid, st in heads.items()}, dropped)
+    def report_uppers(self, tick: Tick) -> None:
+        """Tick step: report every upper that advanced (and a dropped collection's end)."""
+        ctx = self.ctx
+        dropped = [cid for cid, c in tick.catalog.collections.items() if c.dropped]
+        changes = upper_reports(ctx.section.reported, {cid: st.upper for cid, st in tick.heads.items()}, dropped)
         if not changes:
             return
         for cid, up in changes.items():
-            self._send(self._encode_response(None, "FrontierUpper", {"collection_id": cid, "upper": up}), cid)
-        self._flush()
+            ctx.send(ctx.encode_response(None, "FrontierUpper", {"collection_id": cid, "upper": up}), cid)
+        ctx.flush()
 
         def t(s: CatalogState, sec: ControllerSection) -> None:
             record_reports(sec.reported, changes)
 
-        self._commit(t)
+        ctx.commit(t)

@@ -24,9 +24,10 @@ import threading
 import time
 from typing import Any
 
-from services.controller.loop import CommandLoop, log
+from services.controller.context import ControllerContext, log
+from services.controller.model import Tick
 from services.controller.spark_jobs import ControllerSpark
-from shared.catalog import CatalogState, CollectionDef
+from shared.catalog import CatalogState
 from shared.controller_state import ControllerSection
 from shared.errors import ShardDroppedError, ShardNotFoundError
 from shared.objectstore import now_ms
@@ -138,23 +139,42 @@ class Maintenance:
             shard.gc()
 
 
-class MaintenanceRoom(CommandLoop):
-    """The controller's maintenance room (see the module docstring)."""
+class MaintenanceRoom:
+    """The controller's maintenance room (see the module docstring): it owns the worker
+    (started by each recovery, stopped at the end of each run)."""
 
-    def _start_maintenance(self) -> None:
-        self.maintenance = Maintenance(self.store, self.settings.service.grace_ms, jobs=self.spark_jobs)
+    def __init__(self, ctx: ControllerContext) -> None:
+        self.ctx = ctx
+        self.worker: Maintenance | None = None
+        self._last_gc = 0.0
+
+    def start(self) -> None:
+        ctx = self.ctx
+        self.worker = Maintenance(ctx.store, ctx.settings.service.grace_ms, jobs=ctx.spark_jobs)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+    def request(self, collection_id: str, *, below_since: bool = False, compact: bool = False, gc: bool = False) -> None:
+        """Ask the worker for a job on ``collection_id`` (:meth:`Maintenance.request`)."""
+        assert self.worker is not None
+        self.worker.request(collection_id, below_since=below_since, compact=compact, gc=gc)
 
     # -- drops -----------------------------------------------------------------------------------
-    def _reclaim(self) -> None:
+    def reclaim(self, tick: Tick) -> None:
+        """Tick step: delete the storage of dropped collections (the ``reclaim`` list)."""
+        ctx = self.ctx
         done: list[str] = []
-        for cid, due in self.section.reclaim.items():
-            shard = Shard(self.store, cid, grace_ms=self.settings.service.grace_ms, **shard_jobs(self.spark_jobs))
+        for cid, due in ctx.section.reclaim.items():
+            shard = Shard(ctx.store, cid, grace_ms=ctx.settings.service.grace_ms, **shard_jobs(ctx.spark_jobs))
             try:
                 shard.drop()
             except ShardNotFoundError:
                 done.append(cid)
                 continue
-            shard.gc(grace_ms=self.settings.reclaim_grace_ms)
+            shard.gc(grace_ms=ctx.settings.reclaim_grace_ms)
             if now_ms() >= due and len(shard.list_objects()) <= 1:
                 done.append(cid)
         if done:
@@ -162,14 +182,15 @@ class MaintenanceRoom(CommandLoop):
                 for cid in done:
                     sec.reclaim.pop(cid, None)
 
-            self._commit(t)
+            ctx.commit(t)
 
-    def _maybe_gc(self, live: dict[str, CollectionDef]) -> None:
-        if time.monotonic() - self._last_gc < self.settings.gc_interval_ms / 1000.0:
+    def maybe_gc(self, tick: Tick) -> None:
+        """Tick step: the routine gc of live shards and old catalog states, every
+        ``gc_interval_ms``."""
+        ctx = self.ctx
+        if time.monotonic() - self._last_gc < ctx.settings.gc_interval_ms / 1000.0:
             return
         self._last_gc = time.monotonic()
-        assert self.maintenance is not None
-        for cid in live:
-            self.maintenance.request(cid, gc=True)
-        self.catalog.collect(self.settings.service.grace_ms)
-
+        for cid in tick.live:
+            self.request(cid, gc=True)
+        ctx.catalog.collect(ctx.settings.service.grace_ms)

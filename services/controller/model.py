@@ -5,6 +5,8 @@
   logged as ``pending`` in the catalog, so it survives a restart).
 - :class:`OpenCollection`: the controller's view of a live collection (its shard handle, read
   capabilities and row codec), rebuilt from the catalog on every start.
+- :class:`Tick`: what one tick read (the catalog, the live collections, their heads), handed
+  to each tick step of the rooms in turn.
 
 Nothing here does I/O; the durable state is :class:`shared.controller_state.ControllerSection`.
 """
@@ -21,9 +23,11 @@ from typing import Any
 
 from services.runtime.settings import ServiceSettings
 from services.controller.spark_jobs import SparkJobSettings
+from shared.catalog import CatalogState, CollectionDef
 from shared.codec import RowCodec
 from shared.controller_state import Capabilities
 from shared.shard import Shard
+from shared.state import ShardState
 
 #: The controller's critical reader hold on every collection's shard.
 READER_ID = "controller"
@@ -96,6 +100,17 @@ class OpenCollection:
         if self._codec is None or self._codec.schema != st.schema:
             self._codec = RowCodec(st.schema, previous=[v.schema for v in st.versions[:-1]])
         return self._codec
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """What one tick read, handed to each tick step in turn: the catalog (fenced: its
+    controller epoch is this controller's), the live collections, and each one's shard head
+    (read again when due, else the last one read)."""
+
+    catalog: CatalogState
+    live: dict[str, CollectionDef]
+    heads: dict[str, ShardState]
 
 
 def heads_due(last_read: Mapping[str, float], urgent: Set[str], now: float, every_s: float, tick_s: float) -> list[str]:

@@ -37,11 +37,13 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from confluent_kafka import TopicPartition
 
-from services.controller.loop import CommandLoop, log
-from services.controller.model import OpenCollection
+from services.controller.context import ControllerContext, log
+from services.controller.model import OpenCollection, Tick
 from shared.avro_arrow import arrow_to_rows
-from shared.catalog import CatalogState, CollectionDef, FencedError
+from shared.catalog import CatalogState, FencedError
+from shared.codec import message_codec
 from shared.controller_state import (
     CommandRejected,
     ControllerSection,
@@ -50,10 +52,12 @@ from shared.controller_state import (
 )
 from shared.errors import DecodeError, KafkaAdapterError, KafkaTimeoutError, SinceViolationError, UnknownTopicError
 from shared.frontier import Frontier
+from shared.io.kafka import OffsetProbe, new_consumer
+from shared.io.kafka_admin import ensure_topic
 from shared.shard import DIFF, ERROR, TIME
 from shared.state import ShardState
 
-#: Subscribe output is produced in chunks of this many messages (see _produce_step), and a
+#: Subscribe output is produced in chunks of this many messages (see produce_step), and a
 #: step gives up for this tick after this many failed chunks.
 _SUB_CHUNK = 1000
 _SUB_FAILURES = 100
@@ -67,16 +71,25 @@ def encode_changes(codec: Any, sid: str, changes: list[tuple[int, bytes | None, 
                                 "error": err})) for t, row, d, err in changes]
 
 
-class SubscribesRoom(CommandLoop):
+class SubscribesRoom:
     """The controller's subscribes room (see the module docstring)."""
 
-    # -- subscribes -------------------------------------------------------------------------------
-    def handle_Subscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
-        from shared.io.kafka_admin import ensure_topic
+    def __init__(self, ctx: ControllerContext) -> None:
+        self.ctx = ctx
+        self.sub_codec = message_codec("subscribe_output")
+        self._probe: OffsetProbe | None = None  # long-lived: the output partitions' ends
 
+    def close(self) -> None:
+        """Close the offset probe (at the end of a run)."""
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    # -- subscribes -------------------------------------------------------------------------------
+    def subscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         collection_id = b["collection_id"]
-        self.catalog.state().collection(collection_id)
-        col = self.collections[collection_id]
+        self.ctx.catalog.state().collection(collection_id)
+        col = self.ctx.collections[collection_id]
         state = col.shard.refresh()
         topic = str(b["output_topic"])
         if not topic or len(topic) > 249:
@@ -89,7 +102,7 @@ class SubscribesRoom(CommandLoop):
                 collection_id=collection_id, as_of=as_of, since=state.since,
             )
         up_to = b.get("up_to")
-        ensure_topic(self.settings.service.kafka, topic, 1)
+        ensure_topic(self.ctx.settings.service.kafka, topic, 1)
         sub = {
             "collection_id": collection_id,
             "topic": topic,
@@ -104,14 +117,14 @@ class SubscribesRoom(CommandLoop):
         def t(s: CatalogState, sec: ControllerSection) -> None:
             sec.subs[cid] = sub
 
-        self._answer(
-            cid, self._ack(cid, subscribe_id=cid, output_topic=topic, as_of=as_of),
+        self.ctx.answer(
+            cid, self.ctx.ack(cid, subscribe_id=cid, output_topic=topic, as_of=as_of),
             where=where, offset=off, change=t,
         )
 
-    def handle_CancelSubscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+    def cancel_subscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
         target = b["subscribe_command_id"]
-        sub = self.section.subs.get(target)
+        sub = self.ctx.section.subs.get(target)
         if sub is None:
             raise CommandRejected("IdentifierMissing", f"expected a subscribe {target!r}, found none", subscribe_id=target)
         active = sub.get("state") == "active"
@@ -120,12 +133,14 @@ class SubscribesRoom(CommandLoop):
             if sec.subs.get(target, {}).get("state") == "active":
                 sec.subs[target]["state"] = "closing"
 
-        self._answer(cid, self._ack(cid, subscribe_id=target, canceled=active), where=where, offset=off, change=t)
+        self.ctx.answer(cid, self.ctx.ack(cid, subscribe_id=target, canceled=active), where=where, offset=off, change=t)
 
     # -- subscribes ------------------------------------------------------------------------------
-    def _advance_subscribes(self, live: dict[str, CollectionDef], heads: dict[str, ShardState]) -> None:
-        for sid in list(self.section.subs):
-            sub = self.section.subs[sid]
+    def advance_subscribes(self, tick: Tick) -> None:
+        """Tick step: the next output step of every running subscribe."""
+        heads = tick.heads
+        for sid in list(self.ctx.section.subs):
+            sub = self.ctx.section.subs[sid]
             if sub.get("state") == "done":
                 continue
             try:
@@ -141,19 +156,17 @@ class SubscribesRoom(CommandLoop):
                 log.error("subscribe %s failed: %r", sid, e, exc_info=True)
 
     def _advance_subscribe(self, sid: str, sub: dict[str, Any], heads: dict[str, ShardState]) -> None:
-        from shared.io.kafka import OffsetProbe
-
         cid = sub["collection_id"]
         emitting = sub.get("emitting")
         if emitting is not None:
             # Recovery: a step was intended and may be partly on the topic (if it still exists).
             if self._probe is None:
-                self._probe = OffsetProbe(self.settings.service.kafka)
+                self._probe = OffsetProbe(self.ctx.settings.service.kafka)
             self._probe.partitions_of(sub["topic"])
             to = Frontier.from_json(emitting["to"])
             msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
             start = int(emitting["offset"])
-            self._produce_step(sid, sub["topic"], msgs, self._count_on_topic(sub["topic"], sid, start))
+            self.produce_step(sid, sub["topic"], msgs, self.count_on_topic(sub["topic"], sid, start))
             self._finish_step(sid, to, bool(emitting.get("final")))
             return
         st = heads.get(cid)
@@ -171,11 +184,9 @@ class SubscribesRoom(CommandLoop):
         self._emit_step(sid, sub, to, final, "step")
 
     def _emit_step(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool, lower_kind: str) -> None:
-        from shared.io.kafka import OffsetProbe
-
         msgs = self._step_messages(sid, sub, to, final, lower_kind)
         if self._probe is None:
-            self._probe = OffsetProbe(self.settings.service.kafka)
+            self._probe = OffsetProbe(self.ctx.settings.service.kafka)
         self._probe.partitions_of(sub["topic"])  # UnknownTopicError when it was deleted (creates nothing)
         offset = self._probe.ends([(sub["topic"], 0)])[(sub["topic"], 0)]
         intent = {"to": to.to_json(), "final": final, "offset": offset, "lower_kind": lower_kind}
@@ -183,8 +194,8 @@ class SubscribesRoom(CommandLoop):
         def t(s: CatalogState, sec: ControllerSection) -> None:
             sec.subs[sid]["emitting"] = intent
 
-        self._commit(t)
-        self._produce_step(sid, sub["topic"], msgs, (0, offset))
+        self.ctx.commit(t)
+        self.produce_step(sid, sub["topic"], msgs, (0, offset))
         self._finish_step(sid, to, final)
 
     def _finish_step(self, sid: str, to: Frontier, final: bool) -> None:
@@ -196,9 +207,9 @@ class SubscribesRoom(CommandLoop):
             if final:
                 sub["state"] = "done"
 
-        self._commit(t)
+        self.ctx.commit(t)
 
-    def _produce_step(self, sid: str, topic: str, msgs: Iterable[bytes], known: tuple[int, int]) -> None:
+    def produce_step(self, sid: str, topic: str, msgs: Iterable[bytes], known: tuple[int, int]) -> None:
         """Make ``msgs`` the messages of subscribe ``sid`` on ``topic`` after the step's start.
 
         ``known = (n, pos)``: the first ``n`` of ``msgs`` are on the topic, all before offset
@@ -226,31 +237,31 @@ class SubscribesRoom(CommandLoop):
             def on_delivery(err: Any, msg: Any, delivered: list[int] = delivered) -> None:
                 if err is None and msg is not None and msg.offset() is not None:
                     delivered[0] = max(delivered[0], int(msg.offset()))
-                assert self.producer is not None
-                self.producer._on_delivery(err, msg)
+                assert self.ctx.producer is not None
+                self.ctx.producer._on_delivery(err, msg)
 
             for m in chunk:
                 self._produce_sub(topic, m, sid, on_delivery)
             try:
-                self._flush()
+                self.ctx.flush()
             except KafkaAdapterError:
                 failures += 1
                 if failures >= _SUB_FAILURES:
                     raise
-                landed, pos = self._count_on_topic(topic, sid, pos)
+                landed, pos = self.count_on_topic(topic, sid, pos)
                 chunk = chunk[landed:]
                 continue
             chunk = []
             pos = max(pos, delivered[0] + 1)
 
     def _produce_sub(self, topic: str, value: bytes, sid: str, on_delivery: Callable[[Any, Any], None]) -> None:
-        assert self.producer is not None
+        assert self.ctx.producer is not None
         while True:
             try:
-                self.producer.producer.produce(topic, value=value, key=sid.encode(), partition=0, on_delivery=on_delivery)
+                self.ctx.producer.producer.produce(topic, value=value, key=sid.encode(), partition=0, on_delivery=on_delivery)
                 return
             except BufferError:
-                self.producer.producer.poll(0.05)
+                self.ctx.producer.producer.poll(0.05)
 
     def _step_messages(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool,
                        lower_kind: str | None) -> Iterable[bytes]:
@@ -263,8 +274,8 @@ class SubscribesRoom(CommandLoop):
         out: list[bytes] = []
         head: Iterable[bytes] = ()
         cid = sub["collection_id"]
-        if lower_kind != "final" and cid in self.collections:
-            col = self.collections[cid]
+        if lower_kind != "final" and cid in self.ctx.collections:
+            col = self.ctx.collections[cid]
             state = col.shard.refresh()
             progress = sub.get("progress")
             as_of = int(sub["as_of"])
@@ -275,10 +286,10 @@ class SubscribesRoom(CommandLoop):
                     def here() -> list[bytes]:
                         return self._encoded(sid, self._changes(col, col.shard.snapshot(as_of), as_of))
 
-                    if self.spark_jobs is None:
+                    if self.ctx.spark_jobs is None:
                         head = here()
                     else:
-                        head = self.spark_jobs.snapshot_messages(col.shard, as_of, sid, col.row_codec.schema, here)
+                        head = self.ctx.spark_jobs.snapshot_messages(col.shard, as_of, sid, col.row_codec.schema, here)
             else:
                 lower = int(progress)
             if to.is_empty() or lower < (to.time or 0):
@@ -316,18 +327,14 @@ class SubscribesRoom(CommandLoop):
                     zip(bad_times, bad[DIFF].to_pylist(), bad[ERROR].to_pylist(), strict=True)]
         return out
 
-    def _count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
+    def count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
         """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset
         ``start``, and the offset up to which they were counted."""
-        from confluent_kafka import TopicPartition
-
-        from shared.io.kafka import OffsetProbe, new_consumer
-
-        with OffsetProbe(self.settings.service.kafka) as probe:
+        with OffsetProbe(self.ctx.settings.service.kafka) as probe:
             end = probe.ends([(topic, 0)])[(topic, 0)]
         if end <= start:
             return 0, start
-        c = new_consumer(self.settings.service.kafka, **{"auto.offset.reset": "earliest"})
+        c = new_consumer(self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest"})
         n = 0
         try:
             c.assign([TopicPartition(topic, 0, start)])

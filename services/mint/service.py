@@ -6,7 +6,7 @@ Contract (the seeds' mint operator):
   least of the latest), the shard's upper (read from the shard itself on every micro-batch,
   never inferred from read-back data), and the sink's read-only flag (from the catalog);
   ``frontiers`` messages only wake the query up when the upper moves;
-- output: a :class:`shared.sink_state.BatchDescription` on ``descs`` when writes are allowed,
+- output: a :class:`shared.sink_messages.BatchDescription` on ``descs`` when writes are allowed,
   the desired frontier is ahead of the shard's upper, and the upper advanced since the last
   description. Lowers are unique and strictly increasing.
 - identity: each start of the query takes a new epoch (wall-clock milliseconds) and a random
@@ -67,7 +67,7 @@ from services.sinkio import (
 from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.shard import Shard
-from shared.sink_state import MintState
+from shared.mint_state import MintState
 
 log = logging.getLogger("shardsink.mint")
 
@@ -195,7 +195,7 @@ class SinkMinter:
 
 def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, registry: dict[str, SinkMinter] | None = None) -> Any:
     from shared.io.kafka_admin import topic_partition_count
-    from shared.spark.kafka import _connector, kafka_read_stream
+    from shared.spark.kafka_connector import _connector, kafka_read_stream
 
     minter = SinkMinter.create(sink, settings, topic_partition_count(settings.kafka, sink.desired_topic))
     checkpoint = checkpoint_path(settings, "mint", sink)

@@ -10,7 +10,7 @@ project's 2-core machines), ten times a second. So the mint query's driver says 
 holding (:func:`write_hold`: a small file in the query's checkpoint, rewritten when it
 changes), and while it is, ``latestOffset`` admits the desired topic's records only together
 with an upper announcement on ``frontiers`` (the news that ends the hold, in the same
-micro-batch) or at least every :data:`shared.spark.kafka.ADMIT_EVERY_S` (mint then reads the shard's state in
+micro-batch) or at least every :data:`shared.spark.kafka_source.ADMIT_EVERY_S` (mint then reads the shard's state in
 case an announcement was lost). Admission control only ever delays records: the next
 admitted micro-batch covers every held one, and mint reads each desired partition's range
 back to its latest progress statement (:func:`services.sinkio.read_latest_progress`).
@@ -30,7 +30,7 @@ updates and then its statement; the first records of a step would otherwise wake
 for a micro-batch that finds no statement and mints nothing, and the statement would wait for
 that micro-batch to end and for the next trigger (measured: about 1.5 mint micro-batches per
 description during a burst). So the desired topic is always held
-(:class:`shared.spark.kafka.HoldingStreamReader`), and the hold file decides only whether a
+(:class:`shared.spark.kafka_source.HoldingStreamReader`), and the hold file decides only whether a
 statement admits it: when no description is held, the desired ranges past the start are
 admitted once they hold a statement (their tails read to their starts, each record read once:
 a range read without a statement is remembered, and the next look reads only what came after
@@ -38,7 +38,7 @@ it; the statements found go into :data:`PROGRESS_KEY` without a second read). Un
 no news on ``frontiers``, ``latestOffset`` answers the start: no micro-batch, and a wait for
 records (``waitForRecordsMs``) watches the desired partitions too, so that a statement that
 arrives is admitted at once. News and at least every
-:data:`shared.spark.kafka.ADMIT_EVERY_S` admit them too; a tail it cannot read, a start or
+:data:`shared.spark.kafka_source.ADMIT_EVERY_S` admit them too; a tail it cannot read, a start or
 restart and an ``availableNow`` trigger admit at once.
 
 Same options as ``shardsink-kafka``, plus ``shardsinkMintHold`` (JSON: the hold file and the
@@ -59,14 +59,9 @@ from typing import Any
 from pyspark.sql.streaming.datasource import ReadLimit
 
 from shared.errors import ShardsinkError
-from shared.spark.kafka import (
-    ANNOTATION_PREFIX,
-    HoldingStreamReader,
-    KafkaDataSource,
-    Offsets,
-    SourceOptions,
-    offsets_from_json,
-)
+from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json
+from shared.spark.kafka_source import HoldingStreamReader, SourceOptions
+from shared.spark.kafka_connector import KafkaDataSource
 
 log = logging.getLogger("shardsink.mint")
 
@@ -241,6 +236,6 @@ class MintDataSource(KafkaDataSource):
 
 
 def mint_source(desired_topic: str, hold_file: str | None) -> tuple[str, type[MintDataSource], dict[str, str]]:
-    """The ``source`` argument of :func:`shared.spark.kafka.kafka_read_stream`."""
+    """The ``source`` argument of :func:`shared.spark.kafka_connector.kafka_read_stream`."""
     hold = {"file": hold_file, "desired_topic": desired_topic}
     return MINT_SOURCE, MintDataSource, {HOLD_OPTION: json.dumps(hold)}

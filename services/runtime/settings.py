@@ -1,38 +1,19 @@
 """The services' settings, parsed once at the edge, and the clients built from them.
 
-Settings (environment variable, flag, default):
-
-=============================  ======================  ==================================
-variable                       flag                    default
-=============================  ======================  ==================================
-SHARDSINK_KAFKA_BOOTSTRAP      --bootstrap             127.0.0.1:9092
-SHARDSINK_KAFKA_* (options)    (see shared.io.kafka)   SASL/TLS passed to librdkafka
-SHARDSINK_S3_ENDPOINT          --s3-endpoint           (AWS default endpoint)
-SHARDSINK_S3_BUCKET            --bucket                shardsink
-SHARDSINK_S3_PREFIX            --s3-prefix             ''
-AWS_ACCESS_KEY_ID[_FILE]       -                       AWS credential chain
-AWS_SECRET_ACCESS_KEY[_FILE]   -                       AWS credential chain
-SHARDSINK_CHECKPOINT_DIR       --checkpoint-dir        /tmp/shardsink-checkpoints
-SHARDSINK_TOPIC_DESCS          --descs-topic           descs
-SHARDSINK_TOPIC_BATCHES        --batches-topic         batches
-SHARDSINK_TOPIC_FRONTIERS      --frontiers-topic       frontiers
-SHARDSINK_TRIGGER_MS           --trigger-ms            100
-SHARDSINK_SOURCE_WAIT_MS       --source-wait-ms        500 (a trigger that finds nothing waits up to this for a record)
-SHARDSINK_CATALOG_POLL_MS      --catalog-poll-ms       1000
-SHARDSINK_SPARK_MASTER         --master                local[2] (ignored under spark-submit)
-SHARDSINK_STAGED_GRACE_MS      --grace-ms              600000
-SHARDSINK_MAX_RECORDS_PER_TRIGGER --max-records-per-trigger 100000 (write: admission control)
-SHARDSINK_QUARANTINE_AFTER     --quarantine-after      3 (write: failures of one micro-batch before its input is quarantined; 0: never)
-SHARDSINK_FAULTS               -                       '' (test only: injected faults)
-SHARDSINK_TEST_LOW_WATERMARKS_FILE -                   '' (test only: simulated retention)
-SHARDSINK_TEST_FAIL_ON_ROW     -                       '' (test only: write fails on rows holding it)
-=============================  ======================  ==================================
+:data:`SETTINGS` below is the reference: one row per environment variable (and the flag that
+overrides it, the :class:`ServiceSettings` field it sets, its default, how it is parsed and
+what it means). Everything else is derived from it: the dataclass defaults,
+:meth:`ServiceSettings.add_arguments`, :meth:`ServiceSettings.from_env_and_args`,
+:data:`ENV_VARS`, :data:`REQUIRED_ENV` and the table in ``docs/operations.md`` (rendered by
+:func:`markdown_table`; tests/services/test_settings.py checks that the two agree). A flag beats its
+variable, which beats the default; an empty flag counts as not given.
 
 ``SHARDSINK_FAULTS`` is for fault campaigns (``bench/chaos.py``) only: a comma-separated list
-of ``name=value`` (see :class:`shared.devstack.faults.Faults`), e.g. ``error_p=0.02,lost_ack_p=0.02,latency_ms=5``.
-With it, :meth:`ServiceSettings.store` wraps the S3 store in
-:class:`shared.devstack.faults.FaultyObjectStore` and :meth:`shared.devstack.faults.Faults.wrap_producer` makes the
-control producers report injected delivery errors. Never set it in a deployment.
+of ``name=value`` (see :class:`shared.devstack.faults.Faults`), e.g.
+``error_p=0.02,lost_ack_p=0.02,latency_ms=5``. With it, :meth:`ServiceSettings.store` wraps the
+S3 store in :class:`shared.devstack.faults.FaultyObjectStore` and
+:meth:`shared.devstack.faults.Faults.wrap_producer` makes the control producers report injected
+delivery errors. Never set it in a deployment.
 """
 
 from __future__ import annotations
@@ -40,7 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,105 +33,217 @@ from shared.objectstore import RetryingObjectStore
 if TYPE_CHECKING:
     from shared.devstack.faults import Faults
 
+
+def _text_or_none(text: str) -> str | None:
+    return text or None
+
+
+def _faults(text: str) -> Faults | None:
+    """The development stack's fault injection is imported only when faults are asked for: a
+    deployment never imports it."""
+    if not text.strip():
+        return None
+    from shared.devstack.faults import Faults
+
+    return Faults.parse(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of :data:`SETTINGS`.
+
+    - ``field``: the :class:`ServiceSettings` field it sets; ``kafka.X`` and ``s3.X`` are
+      handed on to :meth:`KafkaSettings.from_env` and :meth:`S3Settings.from_env` as the
+      variable; None: a variable read elsewhere (the controller, the JVM options, AWS, Spark),
+      listed so that deployments can be checked against :data:`ENV_VARS`;
+    - ``env``: the environment variable (None: a flag only);
+    - ``flag``: the command-line flag that overrides the variable, if any;
+    - ``default``: the default, spelt as the variable would be;
+    - ``parse``: text -> the field's value (an ``int`` flag is checked by argparse);
+    - ``doc``: what it means, one line (the flag's help, :data:`ENV_VARS`, docs/operations.md);
+    - ``repeated``: a flag given once per value, read as a tuple (no variable);
+    - ``required``: a deployment must set it (:data:`REQUIRED_ENV`).
+    """
+
+    field: str | None
+    env: str | None
+    flag: str | None
+    default: str
+    parse: Callable[[str], Any]
+    doc: str
+    repeated: bool = False
+    required: bool = False
+
+    @property
+    def dest(self) -> str | None:
+        """The flag's name in an ``argparse.Namespace``."""
+        return self.flag.lstrip("-").replace("-", "_") if self.flag else None
+
+    @property
+    def default_value(self) -> Any:
+        return () if self.repeated else self.parse(self.default)
+
+    @property
+    def shown_default(self) -> str:
+        return "none" if self.repeated else self.default or "empty"
+
+    def text(self, args: Mapping[str, Any], env: Mapping[str, str]) -> str:
+        """The flag's value if given and not empty, else the variable's if set, else the default."""
+        given = args.get(self.dest) if self.dest else None
+        if given not in (None, ""):
+            return str(given)
+        return env.get(self.env, self.default) if self.env else self.default
+
+    def value(self, args: Mapping[str, Any], env: Mapping[str, str]) -> Any:
+        if self.repeated:
+            return tuple(args.get(self.dest or "") or ())
+        return self.parse(self.text(args, env))
+
+
+def _elsewhere(env: str, doc: str) -> Setting:
+    """A variable no :class:`ServiceSettings` field reads, documented here."""
+    return Setting(None, env, None, "", str, doc)
+
+
+# fmt: off
+#: Every setting of the services, and every other variable they read: the reference.
+SETTINGS: tuple[Setting, ...] = (
+    #       field                            env                                  flag                         default  parse
+    # -- Kafka (client options: ENV_PREFIXES, see shared/io/kafka.py) ---------------------------------------
+    Setting("kafka.bootstrap",               "SHARDSINK_KAFKA_BOOTSTRAP",         "--bootstrap",               "127.0.0.1:9092", str,
+            "Kafka bootstrap servers", required=True),
+    _elsewhere("SHARDSINK_KAFKA_SECURITY_PROTOCOL", "librdkafka security.protocol"),
+    # -- S3 -------------------------------------------------------------------------------------------------
+    Setting("s3.endpoint",                   "SHARDSINK_S3_ENDPOINT",             "--s3-endpoint",             "", str,
+            "S3 endpoint URL (empty: AWS)"),
+    Setting("s3.bucket",                     "SHARDSINK_S3_BUCKET",               "--bucket",                  "shardsink", str,
+            "S3 bucket", required=True),
+    Setting("s3.prefix",                     "SHARDSINK_S3_PREFIX",               "--s3-prefix",               "", str,
+            "S3 key prefix"),
+    _elsewhere("AWS_ACCESS_KEY_ID", "S3 access key (unset: the AWS credential chain)"),
+    _elsewhere("AWS_SECRET_ACCESS_KEY", "S3 secret key (unset: the AWS credential chain)"),
+    _elsewhere("AWS_ACCESS_KEY_ID_FILE", "file holding the S3 access key"),
+    _elsewhere("AWS_SECRET_ACCESS_KEY_FILE", "file holding the S3 secret key"),
+    _elsewhere("AWS_DEFAULT_REGION", "S3 region"),
+    _elsewhere("AWS_REGION", "S3 region (alternative name)"),
+    # -- topics ---------------------------------------------------------------------------------------------
+    Setting("descs_topic",                   "SHARDSINK_TOPIC_DESCS",             "--descs-topic",             "descs", str,
+            "batch descriptions topic"),
+    Setting("batches_topic",                 "SHARDSINK_TOPIC_BATCHES",           "--batches-topic",           "batches", str,
+            "written-batch reports topic"),
+    Setting("frontiers_topic",               "SHARDSINK_TOPIC_FRONTIERS",         "--frontiers-topic",         "frontiers", str,
+            "shard upper advances topic"),
+    _elsewhere("SHARDSINK_TOPIC_COMMANDS", "controller commands topic"),
+    _elsewhere("SHARDSINK_TOPIC_RESPONSES", "controller responses topic"),
+    # -- the sink services ----------------------------------------------------------------------------------
+    Setting("checkpoint_dir",                "SHARDSINK_CHECKPOINT_DIR",          "--checkpoint-dir",          "/tmp/shardsink-checkpoints", str,
+            "Spark checkpoint root"),
+    Setting("spark_master",                  "SHARDSINK_SPARK_MASTER",            "--master",                  "local[2]", str,
+            "Spark master when not under spark-submit (ignored under it)"),
+    Setting("trigger_ms",                    "SHARDSINK_TRIGGER_MS",              "--trigger-ms",              "100", int,
+            "micro-batch trigger interval (ms)"),
+    Setting("source_wait_ms",                "SHARDSINK_SOURCE_WAIT_MS",          "--source-wait-ms",          "500", int,
+            "a trigger that finds no record waits up to this long (ms) for one (the Kafka source's waitForRecordsMs), "
+            "so a micro-batch starts just after the record that calls for it; 0: each trigger looks once"),
+    Setting("catalog_poll_ms",               "SHARDSINK_CATALOG_POLL_MS",         "--catalog-poll-ms",         "1000", int,
+            "how often (ms) services re-read the catalog"),
+    Setting("grace_ms",                      "SHARDSINK_STAGED_GRACE_MS",         "--grace-ms",                "600000", int,
+            "GC grace period (ms) of unreferenced objects"),
+    Setting("max_records_per_trigger",       "SHARDSINK_MAX_RECORDS_PER_TRIGGER", "--max-records-per-trigger", "100000", int,
+            "admission control of the write query: most records one micro-batch reads"),
+    Setting("quarantine_after",              "SHARDSINK_QUARANTINE_AFTER",        "--quarantine-after",        "3", int,
+            "failures of one write micro-batch before its input is quarantined (its updates become error rows); "
+            "0: never (retried forever, with backoff)"),
+    Setting("only_sinks",                    None,                                "--sink",                    "", str,
+            "serve only this sink (repeatable; none: every sink of the catalog)", repeated=True),
+    _elsewhere("SHARDSINK_SPARK_KAFKA_CONNECTOR", "shardsink (default) or builtin (spark-sql-kafka jar)"),
+    # -- test only ------------------------------------------------------------------------------------------
+    Setting("faults",                        "SHARDSINK_FAULTS",                  None,                        "", _faults,
+            "test only: S3 and Kafka producer faults to inject (bench/chaos.py); never in a deployment"),
+    Setting("simulated_low_watermarks_file", "SHARDSINK_TEST_LOW_WATERMARKS_FILE", None,                       "", _text_or_none,
+            "test only: a JSON file of simulated low watermarks (retention, see shared/spark/kafka.py)"),
+    Setting("test_fail_on_row",              "SHARDSINK_TEST_FAIL_ON_ROW",        None,                        "", _text_or_none,
+            "test only: the write step fails on desired rows whose bytes hold this text"),
+    # -- the controller (parsed in services/controller/__main__.py) -----------------------------------------
+    _elsewhere("SHARDSINK_CONTROLLER_TICK_MS", "the controller's tick interval"),
+    _elsewhere("SHARDSINK_CONTROLLER_HEAD_REFRESH_MS", "a collection nobody waits on has its shard head read at "
+               "least this often (announced uppers and waiting readers are read at the next tick)"),
+    _elsewhere("SHARDSINK_PEEK_TIMEOUT_MS", "how long a peek waits for its as-of to become readable"),
+    _elsewhere("SHARDSINK_PEEK_MAX_INLINE_BYTES", "peek results larger than this are answered as S3 objects"),
+    _elsewhere("SHARDSINK_RECLAIM_GRACE_MS", "how long a dropped collection's storage is kept"),
+    _elsewhere("SHARDSINK_GC_INTERVAL_MS", "how often the controller collects garbage"),
+    _elsewhere("SHARDSINK_CONTROLLER_SPARK_MASTER", "Spark master of the controller's data-heavy jobs (empty: in-process)"),
+    _elsewhere("SHARDSINK_CONTROLLER_SPARK_MIN_BYTES", "parts read by a merge, peek or snapshot before it runs on Spark"),
+    _elsewhere("SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS", "data objects of a shard before its gc sweep runs on Spark"),
+    _elsewhere("SHARDSINK_CONTROLLER_SPARK_TIMEOUT_MS", "a controller Spark job running longer is cancelled and done "
+               "in-process"),
+    # -- the drivers' JVM (services/runtime/jvm.py) ---------------------------------------------------------
+    _elsewhere("SHARDSINK_SPARK_CDS", "on (default) or off: the drivers' JVM class-data archive"),
+    _elsewhere("SHARDSINK_DRIVER_JIT", "c1 (default) or tiered: the drivers' JIT"),
+    _elsewhere("SHARDSINK_HADOOP_NIO", "on (default) or off: local checkpoint files through java.nio"),
+    # -- schemas, logs, metrics -----------------------------------------------------------------------------
+    _elsewhere("SHARDSINK_SCHEMAS_DIR", "where the .avsc files are"),
+    _elsewhere("SHARDSINK_SCHEMA_REGISTRY_URL", "Confluent-compatible schema registry (optional)"),
+    _elsewhere("SHARDSINK_SCHEMA_REGISTRY_USER", "schema registry basic-auth user (optional)"),
+    _elsewhere("SHARDSINK_SCHEMA_REGISTRY_PASSWORD", "schema registry basic-auth password (optional)"),
+    _elsewhere("SHARDSINK_WIRE_FORMAT", "single-object (default) or confluent"),
+    _elsewhere("SHARDSINK_LOG_LEVEL", "log level"),
+    _elsewhere("SHARDSINK_METRICS_PORT", "Prometheus metrics port (unset or 0: no server)"),
+    # -- Spark and Kubernetes -------------------------------------------------------------------------------
+    _elsewhere("PYSPARK_PYTHON", "Python interpreter of the Spark executors"),
+    _elsewhere("PYSPARK_DRIVER_PYTHON", "Python interpreter of a driver that spark-submit starts"),
+    _elsewhere("PYSPARK_SUBMIT_ARGS", "spark-submit options of a service's driver (--conf ... pyspark-shell)"),
+    _elsewhere("POD_NAME", "Kubernetes: the pod's name, expanded into PYSPARK_SUBMIT_ARGS (deploy/k8s/overlays/cluster)"),
+    _elsewhere("POD_NAMESPACE", "Kubernetes: the pod's namespace, expanded into PYSPARK_SUBMIT_ARGS"),
+)
+# fmt: on
+
 #: Every environment variable the services read (name -> meaning). Deployment files are
-#: checked against this list by tests/test_deploy.py.
-#: Every environment variable the services read (name -> meaning). Deployment files are
-#: checked against this list by tests/test_deploy.py.
-ENV_VARS: dict[str, str] = {
-    "SHARDSINK_KAFKA_BOOTSTRAP": "Kafka bootstrap servers",
-    "SHARDSINK_KAFKA_SECURITY_PROTOCOL": "librdkafka security.protocol",
-    "SHARDSINK_S3_ENDPOINT": "S3 endpoint URL (empty: AWS)",
-    "SHARDSINK_S3_BUCKET": "S3 bucket",
-    "SHARDSINK_S3_PREFIX": "S3 key prefix",
-    "AWS_ACCESS_KEY_ID": "S3 access key",
-    "AWS_SECRET_ACCESS_KEY": "S3 secret key",
-    "AWS_ACCESS_KEY_ID_FILE": "file holding the S3 access key",
-    "AWS_SECRET_ACCESS_KEY_FILE": "file holding the S3 secret key",
-    "AWS_DEFAULT_REGION": "S3 region",
-    "AWS_REGION": "S3 region (alternative name)",
-    "SHARDSINK_CHECKPOINT_DIR": "Spark checkpoint root",
-    "SHARDSINK_TOPIC_DESCS": "batch descriptions topic",
-    "SHARDSINK_TOPIC_BATCHES": "written-batch reports topic",
-    "SHARDSINK_TOPIC_FRONTIERS": "shard upper advances topic",
-    "SHARDSINK_TOPIC_COMMANDS": "controller commands topic",
-    "SHARDSINK_TOPIC_RESPONSES": "controller responses topic",
-    "SHARDSINK_TRIGGER_MS": "micro-batch trigger interval",
-    "SHARDSINK_SOURCE_WAIT_MS": "how long a trigger that finds nothing new waits for a record",
-    "SHARDSINK_CATALOG_POLL_MS": "how often services re-read the catalog",
-    "SHARDSINK_SPARK_MASTER": "Spark master when not under spark-submit",
-    "SHARDSINK_CONTROLLER_SPARK_MASTER": "Spark master of the controller's data-heavy jobs ('': in-process)",
-    "SHARDSINK_CONTROLLER_SPARK_MIN_BYTES": "parts read by a merge, peek or snapshot before it runs on Spark",
-    "SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS": "data objects of a shard before its gc sweep runs on Spark",
-    "SHARDSINK_CONTROLLER_SPARK_TIMEOUT_MS": "a controller Spark job running longer is cancelled and done in-process",
-    "SHARDSINK_CONTROLLER_TICK_MS": "the controller's tick interval",
-    "SHARDSINK_CONTROLLER_HEAD_REFRESH_MS": "a collection nobody waits on has its shard head read at least this often "
-                                            "(announced uppers and waiting readers are read at the next tick)",
-    "SHARDSINK_PEEK_TIMEOUT_MS": "how long a peek waits for its as-of to become readable",
-    "SHARDSINK_PEEK_MAX_INLINE_BYTES": "peek results larger than this are answered as S3 objects",
-    "SHARDSINK_RECLAIM_GRACE_MS": "how long a dropped collection's storage is kept",
-    "SHARDSINK_GC_INTERVAL_MS": "how often the controller collects garbage",
-    "SHARDSINK_SPARK_CDS": "on (default) or off: the drivers' JVM class-data archive (services/runtime/jvm.py)",
-    "SHARDSINK_DRIVER_JIT": "c1 (default) or tiered: the drivers' JIT (services/runtime/jvm.py)",
-    "SHARDSINK_HADOOP_NIO": "on (default) or off: local checkpoint files through java.nio (services/runtime/jvm.py)",
-    "SHARDSINK_STAGED_GRACE_MS": "GC grace period for unreferenced objects",
-    "SHARDSINK_LOG_LEVEL": "log level",
-    "SHARDSINK_SCHEMAS_DIR": "where the .avsc files are",
-    "SHARDSINK_SPARK_KAFKA_CONNECTOR": "shardsink (default) or builtin (spark-sql-kafka jar)",
-    "SHARDSINK_SCHEMA_REGISTRY_URL": "Confluent-compatible schema registry (optional)",
-    "SHARDSINK_SCHEMA_REGISTRY_USER": "schema registry basic-auth user (optional)",
-    "SHARDSINK_SCHEMA_REGISTRY_PASSWORD": "schema registry basic-auth password (optional)",
-    "SHARDSINK_WIRE_FORMAT": "single-object (default) or confluent",
-    "SHARDSINK_METRICS_PORT": "Prometheus metrics port",
-    "PYSPARK_PYTHON": "Python interpreter of the Spark executors",
-    "PYSPARK_DRIVER_PYTHON": "Python interpreter of a driver that spark-submit starts",
-    "PYSPARK_SUBMIT_ARGS": "spark-submit options of a service's driver (--conf ... pyspark-shell)",
-    "POD_NAME": "Kubernetes: the pod's name, expanded into PYSPARK_SUBMIT_ARGS (deploy/k8s/overlays/cluster)",
-    "POD_NAMESPACE": "Kubernetes: the pod's namespace, expanded into PYSPARK_SUBMIT_ARGS",
-    "SHARDSINK_FAULTS": "test only: injected S3 and Kafka producer faults (bench/chaos.py)",
-    "SHARDSINK_MAX_RECORDS_PER_TRIGGER": "most records the write query reads per micro-batch",
-    "SHARDSINK_TEST_LOW_WATERMARKS_FILE": "test only: JSON of simulated low watermarks (retention)",
-    "SHARDSINK_QUARANTINE_AFTER": "failures of one write micro-batch before its input is quarantined",
-    "SHARDSINK_TEST_FAIL_ON_ROW": "test only: the write step fails on desired rows holding this text",
-}
+#: checked against this list by tests/services/test_deploy.py.
+ENV_VARS: dict[str, str] = {s.env: s.doc for s in SETTINGS if s.env is not None}
 #: Prefixes of Kafka client options passed through to librdkafka (see shared/io/kafka.py).
-ENV_PREFIXES: tuple[str, ...] = ("SHARDSINK_KAFKA_SASL_", "SHARDSINK_KAFKA_SSL_", "SHARDSINK_KAFKA_OPTION_")
+ENV_PREFIXES: tuple[str, ...] = (
+    "SHARDSINK_KAFKA_SASL_",
+    "SHARDSINK_KAFKA_SSL_",
+    "SHARDSINK_KAFKA_OPTION_",
+)
 #: Variables a deployment must set.
-REQUIRED_ENV: tuple[str, ...] = ("SHARDSINK_KAFKA_BOOTSTRAP", "SHARDSINK_S3_BUCKET")
+REQUIRED_ENV: tuple[str, ...] = tuple(s.env for s in SETTINGS if s.required and s.env is not None)
+
+_BY_FIELD: dict[str, Setting] = {s.field: s for s in SETTINGS if s.field is not None}
 
 
 def is_known_env(name: str) -> bool:
     return name in ENV_VARS or name.startswith(ENV_PREFIXES)
 
 
+def _default(field: str) -> Any:
+    """A :class:`ServiceSettings` field's default, from its row of :data:`SETTINGS`."""
+    return _BY_FIELD[field].default_value
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceSettings:
+    """What every service runs with. Each field's variable, flag, default and meaning are its
+    row of :data:`SETTINGS`."""
+
     kafka: KafkaSettings
     s3: S3Settings
-    checkpoint_dir: str = "/tmp/shardsink-checkpoints"
-    descs_topic: str = "descs"
-    batches_topic: str = "batches"
-    frontiers_topic: str = "frontiers"
-    trigger_ms: int = 100
-    #: A sink query's trigger that finds no record to read waits up to this long for one (the
-    #: Kafka source's ``waitForRecordsMs``): a micro-batch starts milliseconds after the record
-    #: that calls for it, instead of at the next trigger. 0: each trigger looks once.
-    source_wait_ms: int = 500
-    catalog_poll_ms: int = 1000
-    spark_master: str = "local[2]"
-    grace_ms: int = 600_000
-    #: Restrict a service instance to these sinks (empty: all sinks in the catalog).
-    only_sinks: tuple[str, ...] = ()
-    #: Test only (``SHARDSINK_FAULTS``): faults injected into the S3 store and control producers.
-    faults: Faults | None = None
-    #: Admission control of the write query: no micro-batch reads more records than this.
-    max_records_per_trigger: int = 100_000
-    #: Test only: a JSON file of simulated low watermarks (see shared.spark.kafka).
-    simulated_low_watermarks_file: str | None = None
-    #: The write query's input is quarantined (its updates become error rows) after this many
-    #: failures of the same micro-batch; 0: never (retried forever, with backoff).
-    quarantine_after: int = 3
-    #: Test only: the write step raises on a desired row whose bytes hold this text.
-    test_fail_on_row: str | None = None
+    checkpoint_dir: str = _default("checkpoint_dir")
+    descs_topic: str = _default("descs_topic")
+    batches_topic: str = _default("batches_topic")
+    frontiers_topic: str = _default("frontiers_topic")
+    trigger_ms: int = _default("trigger_ms")
+    source_wait_ms: int = _default("source_wait_ms")
+    catalog_poll_ms: int = _default("catalog_poll_ms")
+    spark_master: str = _default("spark_master")
+    grace_ms: int = _default("grace_ms")
+    only_sinks: tuple[str, ...] = _default("only_sinks")
+    faults: Faults | None = _default("faults")
+    max_records_per_trigger: int = _default("max_records_per_trigger")
+    simulated_low_watermarks_file: str | None = _default("simulated_low_watermarks_file")
+    quarantine_after: int = _default("quarantine_after")
+    test_fail_on_row: str | None = _default("test_fail_on_row")
 
     def __post_init__(self) -> None:
         if self.trigger_ms < 0 or self.catalog_poll_ms <= 0 or self.source_wait_ms < 0:
@@ -161,60 +254,31 @@ class ServiceSettings:
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--bootstrap", help="Kafka bootstrap servers (SHARDSINK_KAFKA_BOOTSTRAP)")
-        p.add_argument("--s3-endpoint", help="S3 endpoint URL (SHARDSINK_S3_ENDPOINT)")
-        p.add_argument("--bucket", help="S3 bucket (SHARDSINK_S3_BUCKET)")
-        p.add_argument("--s3-prefix", help="S3 key prefix (SHARDSINK_S3_PREFIX)")
-        p.add_argument("--checkpoint-dir", help="Spark checkpoint root (SHARDSINK_CHECKPOINT_DIR)")
-        p.add_argument("--descs-topic")
-        p.add_argument("--batches-topic")
-        p.add_argument("--frontiers-topic")
-        p.add_argument("--trigger-ms", type=int)
-        p.add_argument("--source-wait-ms", type=int)
-        p.add_argument("--catalog-poll-ms", type=int)
-        p.add_argument("--master", help="Spark master for local runs (SHARDSINK_SPARK_MASTER)")
-        p.add_argument("--grace-ms", type=int)
-        p.add_argument("--max-records-per-trigger", type=int)
-        p.add_argument("--quarantine-after", type=int)
-        p.add_argument("--sink", action="append", default=[], help="serve only this sink (repeatable)")
+        """One flag per row of :data:`SETTINGS` that has one, its help naming the variable."""
+        for s in SETTINGS:
+            if s.flag is None:
+                continue
+            if s.repeated:
+                p.add_argument(s.flag, action="append", default=[], help=_help(s))
+            else:
+                p.add_argument(s.flag, type=int if s.parse is int else str, help=_help(s))
 
     @staticmethod
-    def from_env_and_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> ServiceSettings:
+    def from_env_and_args(
+        args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
+    ) -> ServiceSettings:
         e = dict(os.environ if env is None else env)
         a = vars(args) if args is not None else {}
-
-        def pick(flag: str, var: str, default: str) -> str:
-            v = a.get(flag)
-            return str(v) if v not in (None, "") else e.get(var, default)
-
-        kafka_env = {**e, "SHARDSINK_KAFKA_BOOTSTRAP": pick("bootstrap", "SHARDSINK_KAFKA_BOOTSTRAP", "127.0.0.1:9092")}
-        s3 = S3Settings.from_env(
-            {
-                **e,
-                "SHARDSINK_S3_ENDPOINT": pick("s3_endpoint", "SHARDSINK_S3_ENDPOINT", ""),
-                "SHARDSINK_S3_BUCKET": pick("bucket", "SHARDSINK_S3_BUCKET", "shardsink"),
-                "SHARDSINK_S3_PREFIX": pick("s3_prefix", "SHARDSINK_S3_PREFIX", ""),
-            }
-        )
-        return ServiceSettings(
-            kafka=KafkaSettings.from_env(kafka_env),
-            s3=s3,
-            checkpoint_dir=pick("checkpoint_dir", "SHARDSINK_CHECKPOINT_DIR", "/tmp/shardsink-checkpoints"),
-            descs_topic=pick("descs_topic", "SHARDSINK_TOPIC_DESCS", "descs"),
-            batches_topic=pick("batches_topic", "SHARDSINK_TOPIC_BATCHES", "batches"),
-            frontiers_topic=pick("frontiers_topic", "SHARDSINK_TOPIC_FRONTIERS", "frontiers"),
-            trigger_ms=int(pick("trigger_ms", "SHARDSINK_TRIGGER_MS", "100")),
-            source_wait_ms=int(pick("source_wait_ms", "SHARDSINK_SOURCE_WAIT_MS", "500")),
-            catalog_poll_ms=int(pick("catalog_poll_ms", "SHARDSINK_CATALOG_POLL_MS", "1000")),
-            spark_master=pick("master", "SHARDSINK_SPARK_MASTER", "local[2]"),
-            grace_ms=int(pick("grace_ms", "SHARDSINK_STAGED_GRACE_MS", "600000")),
-            only_sinks=tuple(a.get("sink") or ()),
-            faults=faults_from_env(e),
-            max_records_per_trigger=int(pick("max_records_per_trigger", "SHARDSINK_MAX_RECORDS_PER_TRIGGER", "100000")),
-            simulated_low_watermarks_file=e.get("SHARDSINK_TEST_LOW_WATERMARKS_FILE") or None,
-            quarantine_after=int(pick("quarantine_after", "SHARDSINK_QUARANTINE_AFTER", "3")),
-            test_fail_on_row=e.get("SHARDSINK_TEST_FAIL_ON_ROW") or None,
-        )
+        own: dict[str, Any] = {}
+        nested: dict[str, str] = {}  # kafka.* and s3.*: handed on as their variables
+        for field, s in _BY_FIELD.items():
+            if "." not in field:
+                own[field] = s.value(a, e)
+            elif s.env is not None:
+                nested[s.env] = s.text(a, e)
+        s3 = S3Settings.from_env({**e, **nested})
+        kafka = KafkaSettings.from_env({**e, **nested})
+        return ServiceSettings(kafka, s3, **own)
 
     # -- clients ---------------------------------------------------------------------------
     def store(self) -> S3ObjectStore:
@@ -231,17 +295,38 @@ class ServiceSettings:
         return Catalog(self.store())
 
 
+def _help(s: Setting) -> str:
+    text = f"{s.doc} ({s.env}, default {s.shown_default})" if s.env else s.doc
+    return text.replace("%", "%%")
+
+
 @functools.lru_cache(maxsize=16)
 def _s3_store(s3: S3Settings) -> S3ObjectStore:
     return S3ObjectStore(s3)
 
 
 def faults_from_env(env: Mapping[str, str] | None = None) -> Faults | None:
-    """The faults ``SHARDSINK_FAULTS`` asks for (test only); None when it is unset. The
-    development stack's fault injection is loaded only then: a deployment never imports it."""
-    text = (os.environ if env is None else env).get("SHARDSINK_FAULTS", "")
-    if not text.strip():
-        return None
-    from shared.devstack.faults import Faults
+    """The faults ``SHARDSINK_FAULTS`` asks for (test only); None when it is unset."""
+    faults: Faults | None = _BY_FIELD["faults"].value({}, os.environ if env is None else env)
+    return faults
 
-    return Faults.parse(text)
+
+def markdown_table() -> str:
+    """:data:`SETTINGS` as the Markdown table of docs/operations.md's Configuration section."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| Variable | Flag | Default | Meaning |", "| --- | --- | --- | --- |"]
+    for s in SETTINGS:
+        var = f"`{s.env}`" if s.env else ""
+        flag = f"`{s.flag}`" if s.flag else ""
+        if s.field is None:
+            default = ""  # read elsewhere: see its meaning
+        elif s.default and not s.repeated:
+            default = f"`{s.default}`"
+        else:
+            default = s.shown_default
+        doc = s.doc + ("; a deployment must set it" if s.required else "")
+        lines.append(f"| {var} | {flag} | {default} | {cell(doc)} |")
+    return "\n".join(lines) + "\n"

@@ -72,7 +72,7 @@ def spark_session(settings: ServiceSettings, app_name: str) -> Any:
     with jvm_stderr_filtered() if launching else contextlib.nullcontext():
         spark = with_service_defaults(builder).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    from shared.spark.kafka import register_kafka_source
+    from shared.spark.kafka_connector import register_kafka_source
 
     register_kafka_source(spark)
     return spark

@@ -42,7 +42,7 @@ WARMUP_SOURCE = "shardsink-warmup"
 
 #: What a write task imports (the executors' daemon loads most of it already:
 #: services/runtime/worker_daemon.py), imported in the warm-up's tasks.
-TASK_MODULES = ("services.write.service", "services.write.source", "services.sinkio", "shared.shard")
+TASK_MODULES = ("services.write.executor", "services.write.source", "services.sinkio", "shared.shard")
 
 
 class _WarmupReader(DataSourceReader):

@@ -41,10 +41,10 @@ PRELOAD = (
     "confluent_kafka",
     "shared.avro_columns",
     "shared.shard",
-    "shared.sink_state",
-    "shared.spark.kafka",
+    "shared.write_state",
+    "shared.spark.kafka_connector",
     "services.sinkio",
-    "services.write.service",
+    "services.write.executor",
     "services.write.source",
 )
 

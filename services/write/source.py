@@ -8,12 +8,12 @@ so a partition's updates and the shard rows routed to it meet there) and, when t
 control messages (``descs``), the whole control range too, so that every writer partition sees
 every description. A partition with neither is not read (its state stays as it was). The
 write step then runs over each input partition as it is (``mapInArrow`` in the same stage: no
-shuffle), see :mod:`services.write.service`.
+shuffle), see :mod:`services.write.executor`.
 
 Two forms. With a write job (:func:`desired_source`'s ``step``: the write service's own
 source), ``read()`` also runs the write step on the decoded input in the same Python worker
-(:func:`services.write.service.run_write_step`) and yields only the step's output, a few rows
-per writer partition (:data:`services.write.service.OUTPUT_DDL`): the desired updates never
+(:func:`services.write.executor.run_write_step`) and yields only the step's output, a few rows
+per writer partition (:data:`services.write.job.OUTPUT_DDL`): the desired updates never
 cross into the JVM, where turning Arrow batches into rows and back into Arrow for a
 ``mapInArrow`` was most of the JVM's work per update. The micro-batch id comes from the
 task's local property :data:`BATCH_PROPERTY`, which the write query's ``foreachBatch`` sets
@@ -28,8 +28,8 @@ and a task per writer partition (about 60 ms of CPU on this project's 2-core mac
 ``latestOffset`` therefore admits the desired topic's records together with news on a
 control topic (a description, an upper announced: they are read in the same micro-batch),
 when more of them wait than one micro-batch admits, or at least every
-:data:`shared.spark.kafka.ADMIT_EVERY_S`, so that the buffer never lags the topic by more
-than that (:class:`shared.spark.kafka.HoldingStreamReader`). Holding only ever delays
+:data:`shared.spark.kafka_source.ADMIT_EVERY_S`, so that the buffer never lags the topic by more
+than that (:class:`shared.spark.kafka_source.HoldingStreamReader`). Holding only ever delays
 records: the next admitted micro-batch covers every held one.
 
 Same options as ``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row
@@ -44,18 +44,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import pyarrow as pa
+from pyspark import TaskContext
 from pyspark.sql.datasource import InputPartition
-
-from services.sinkio import ROUTED_DDL, decode_partition
 from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
 
-from shared.spark.kafka import (
-    HoldingStreamReader,
-    KafkaDataSource,
-    KafkaInputPartition,
-    Offsets,
-    SourceOptions,
-)
+from services.sinkio import ROUTED_DDL, decode_partition
+from services.write.executor import run_write_step
+from services.write.job import OUTPUT_DDL
+from shared.errors import SinkProtocolError
+from shared.spark.kafka_source import HoldingStreamReader, KafkaInputPartition, SourceOptions
+from shared.spark.kafka_connector import KafkaDataSource
+from shared.kafka_offsets import Offsets
+from shared.spark.worker_heap import settle
 
 DESIRED_SOURCE = "shardsink-desired"
 DECODE_OPTION = "shardsinkDecode"
@@ -97,7 +97,7 @@ class DesiredStreamReader(HoldingStreamReader):
     def __init__(self, options: SourceOptions, decode: dict[str, Any], step: Any = None) -> None:
         super().__init__(options, held=decode["desired_topic"])
         self.decode = decode
-        #: The write job (:class:`services.write.service.WriteJob`) whose step ``read()`` runs.
+        #: The write job (:class:`services.write.job.WriteJob`) whose step ``read()`` runs.
         self.step = step
 
     def __getstate__(self) -> dict[str, Any]:
@@ -112,8 +112,6 @@ class DesiredStreamReader(HoldingStreamReader):
         parts = self.input_ranges(start, end)
         for r in parts:
             if r.topic == topic and r.partition >= n:
-                from shared.errors import SinkProtocolError
-
                 raise SinkProtocolError(
                     f"expected the desired topic {topic!r} to keep its {n} partitions, found "
                     f"partition {r.partition}: the correction buffers are keyed by partition; "
@@ -123,8 +121,6 @@ class DesiredStreamReader(HoldingStreamReader):
         return writer_partitions(parts, topic, n)
 
     def read(self, partition: Any) -> Iterator[pa.RecordBatch]:
-        from shared.spark.worker_heap import settle
-
         settle()
         assert isinstance(partition, WriterPartition)
         d = self.decode
@@ -138,20 +134,14 @@ class DesiredStreamReader(HoldingStreamReader):
         decoded: Iterator[pa.RecordBatch] = fn(raw)
         if self.step is None:
             return decoded
-        from services.write.service import run_write_step
-
         return run_write_step(self.step, partition.wp, _batch_id(), decoded)
 
 
 def _batch_id() -> int:
     """The micro-batch id the write query's ``foreachBatch`` set for this job's tasks."""
-    from pyspark import TaskContext
-
     ctx = TaskContext.get()
     raw = ctx.getLocalProperty(BATCH_PROPERTY) if ctx is not None else None
     if raw is None:
-        from shared.errors import SinkProtocolError
-
         raise SinkProtocolError(
             f"expected the task's local property {BATCH_PROPERTY!r} (set by the write query's "
             "foreachBatch), found none: the write source runs only inside the write query"
@@ -172,8 +162,6 @@ class DesiredDataSource(KafkaDataSource):
 
     def schema(self) -> str:  # type: ignore[override]
         if self.step is not None:
-            from services.write.service import OUTPUT_DDL
-
             return OUTPUT_DDL
         return ROUTED_DDL
 
@@ -186,9 +174,9 @@ def desired_source(
     desired_topic: str, row_schema_json: str, route_to: int, quarantine: list[tuple[int, int, int, str]] | None = None,
     step: Any = None, name: str | None = None,
 ) -> tuple[str, type[DesiredDataSource], dict[str, str]]:
-    """The ``source`` argument of :func:`shared.spark.kafka.kafka_read_stream`.
+    """The ``source`` argument of :func:`shared.spark.kafka_connector.kafka_read_stream`.
 
-    ``step`` (a :class:`services.write.service.WriteJob`) makes ``read()`` run the write step
+    ``step`` (a :class:`services.write.job.WriteJob`) makes ``read()`` run the write step
     (see the module docstring); the data source is then a class of its own, registered under
     ``name`` (one per write query: the session's registry is shared by every sink's query),
     which carries the job to the planning process and the executors inside its pickle, not in

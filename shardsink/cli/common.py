@@ -127,7 +127,7 @@ class ControllerSession:
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from services.controller.client import ControllerClient
+        from shared.io.controller_client import ControllerClient
         from shared.io.kafka import OffsetProbe
 
         from shardsink.cli.util import check_brokers
@@ -203,7 +203,7 @@ def require_controller(s: Any, commands_topic: str, responses_topic: str) -> Non
 
 def check(response: dict[str, Any]) -> dict[str, Any]:
     """The response itself, or :class:`CommandError` for an ``Error`` answer."""
-    from services.controller.client import body_kind
+    from shared.io.controller_client import body_kind
 
     if body_kind(response) == "Error":
         b = response["body"][1]

@@ -1,6 +1,6 @@
 """Reading a collection from Spark: the ``shardsink`` batch data source (time travel).
 
-Built on PySpark's Python Data Source API, like :mod:`shared.spark.kafka`. Register once
+Built on PySpark's Python Data Source API, like :mod:`shared.spark.kafka_source`. Register once
 per session, then::
 
     register_shardsink_source(spark)

@@ -4,7 +4,7 @@ DecodeError is a crash (atheris exits non-zero and writes the input to ``crash-*
 
     python tests/fuzz/atheris_decoders.py -runs=50000 [-seed=1]
 
-``tests/test_fuzz_inputs.py`` runs it with a fixed number of runs and seeds the corpus with
+``tests/campaigns/test_fuzz_inputs.py`` runs it with a fixed number of runs and seeds the corpus with
 valid messages of each kind (so mutations start from well-formed inputs).
 """
 

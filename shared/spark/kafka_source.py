@@ -1,0 +1,785 @@
+"""The Kafka source for Spark Structured Streaming, without the ``spark-sql-kafka`` jar.
+
+Built on PySpark's Python Data Source API (``pyspark.sql.datasource``) over confluent-kafka:
+:class:`KafkaStreamReader` is the reader of the ``shardsink-kafka`` data source
+(:mod:`shared.spark.kafka_connector`, which registers it, with the sink of
+:mod:`shared.spark.kafka_sink`); its offset arithmetic is :mod:`shared.kafka_offsets`.
+
+Options: ``bootstrap``; ``topics`` (comma list) or ``topic``; ``startingOffsets``
+(``earliest`` (default), ``latest`` or JSON ``{"topic": {"0": 12, "1": -2}}`` where -2 means
+earliest and -1 latest; partitions the JSON leaves out start at the earliest offset);
+``maxRecordsPerTrigger`` (admission control: Spark 4.2+ calls ``latestOffset(start, limit)``
+with ``ReadMaxRows``, shared among partitions in proportion to their backlog; ``availableNow``
+triggers are supported and stop at the ends seen when the query started);
+``failOnDataLoss`` (default true: records of a planned range deleted by retention fail the
+batch); ``recordsPerArrowBatch`` (default 20000); ``kafka.<librdkafka option>`` passed through
+(SASL/TLS: see :mod:`shared.io.kafka`).
+
+``historyGapTopics`` (comma list): for these topics the source says when history is missing
+instead of failing or skipping silently. A fresh query starts them at offset 0 (not at the
+low watermark), and every micro-batch compares its start offsets with the partitions' low
+watermarks: offsets ``[start, low)`` that retention deleted are skipped, and the partition's
+range begins with one marker record (``value`` null, ``offset`` = the first lost offset, header
+``shardsink-history-gap`` = ``"<from>-<to>"``). The write service uses it to prove, or refuse
+to assume, that it saw the whole desired history (retention safety).
+``skipValuePrefixes`` (``topic=hex`` pairs, comma list): records of ``topic`` whose value
+starts with those bytes are dropped inside ``read()``, on the executor, before they become
+rows (their offsets still count as read). The mint service uses it to drop desired updates
+(it needs only progress statements) without shipping them through Spark.
+``waitForRecordsMs`` (default 0): a ``latestOffset`` that finds nothing to read waits up to
+this long for a record on the partitions whose records may make a micro-batch (at the ends
+it just found, :meth:`shared.io.kafka.OffsetProbe.await_records`: a fetch the broker holds
+until a record arrives), then looks again, and waits on for the rest of that time while the
+look still finds nothing to read. A micro-batch then starts a few milliseconds after
+the record that calls for it instead of at the next trigger (on average half a trigger
+interval later, plus a look), and an idle query looks once per wait instead of once per
+trigger. Spark's trigger loop goes on at once after a look that took longer than its
+interval, so the trigger interval then only bounds how often micro-batches start back to
+back. No wait at an ``availableNow`` trigger.
+``simulatedLowWatermarksFile`` (tests only): a JSON file ``{topic: {partition: offset}}``
+read at every micro-batch; the source treats those offsets as the partitions' low watermarks
+(as if retention had deleted the records below them), because the embedded broker (Tansu)
+rejects DeleteRecords.
+
+Offsets in the checkpoint are JSON ``{topic: {partition: next_offset}}`` (keys starting with
+``@`` are annotations of sources built on this one, not topics). latestOffset re-reads the
+topics' partitions (a topic's list is kept :data:`PARTITIONS_TTL_S`; a topic listed but not
+yet created is looked up every time), so partitions and topics that appear later are picked
+up, starting at offset 0. Ends are found with
+:class:`shared.io.kafka.OffsetProbe` (correct on Tansu, whose ListOffsets under-reports).
+A micro-batch's non-empty topic-partition ranges are packed into tasks of at least
+``minRecordsPerTask`` records (default 10000; at most one task per range, each range whole in
+one task): a task costs a Python worker round trip whatever it reads, so a micro-batch of a
+few control messages is one task, and a catch-up is one task per partition. ``read()``
+``assign()``s each partition at ``start`` and returns exactly the records with offsets in
+``[start, end)`` as pyarrow RecordBatches, range after range, so a replayed micro-batch reads
+the same records.
+
+Columns: ``key binary, value binary, topic string, partition int, offset long,
+timestamp timestamp, headers array<struct<key string, value binary>>`` (``headers`` is null
+for a record without headers; ``timestamp`` is null when the broker gives none).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from shared.errors import (
+    KafkaConfigError,
+    KafkaDataLossError,
+    KafkaTimeoutError,
+    UnknownTopicError,
+)
+from shared.io.kafka import KafkaSettings, OffsetProbe, new_consumer, translate
+from shared.kafka_offsets import (
+    Offsets,
+    advance,
+    cap,
+    held_back,
+    news_beside,
+    offsets_from_json,
+    offsets_to_json,
+    pending,
+)
+from shared.spark.kafka_common import HEADER_TYPE, bool_option, int_option
+from shared.spark.worker_heap import settle
+
+KAFKA_SCHEMA = StructType(
+    [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("headers", HEADER_TYPE),
+    ]
+)
+
+
+#: How long a streaming source keeps a topic's partition list before it looks it up again:
+#: partitions added to a topic are read from their first offset within this time.
+PARTITIONS_TTL_S = 5.0
+
+
+def _parse_starting(value: str) -> str | Offsets:
+    v = value.strip()
+    if v.lower() in ("earliest", "latest"):
+        return v.lower()
+    try:
+        return offsets_from_json(json.loads(v))
+    except json.JSONDecodeError as e:
+        raise KafkaConfigError(
+            f"expected startingOffsets 'earliest', 'latest' or JSON, found {value!r}"
+        ) from e
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    settings: KafkaSettings
+    topics: tuple[str, ...]
+    starting: str | Offsets = "earliest"
+    max_records_per_trigger: int | None = None
+    fail_on_data_loss: bool = True
+    records_per_arrow_batch: int = 20_000
+    timeout_s: float = 60.0
+    history_gap_topics: tuple[str, ...] = ()
+    simulated_low_watermarks_file: str | None = None
+    skip_value_prefixes: tuple[tuple[str, bytes], ...] = ()
+    #: A micro-batch's ranges are packed into tasks of at least this many records (one task per
+    #: topic-partition at most): a task costs a Python worker round trip whatever it reads.
+    min_records_per_task: int = 10_000
+    #: ``latestOffset`` that finds nothing to read waits up to this long for a record (0: answers
+    #: at once); see the module docstring.
+    wait_for_records_ms: int = 0
+
+    @staticmethod
+    def parse(options: Mapping[str, str]) -> SourceOptions:
+        opts = {k: v for k, v in options.items()}
+        low = {k.lower(): v for k, v in opts.items()}
+        raw = low.get("topics") or low.get("topic") or low.get("subscribe") or ""
+        topics = tuple(t.strip() for t in str(raw).split(",") if t.strip())
+        if not topics:
+            raise KafkaConfigError(
+                "expected option 'topics' (comma list) or 'topic', found none among "
+                f"{sorted(opts)}"
+            )
+        return SourceOptions(
+            settings=KafkaSettings.from_options(opts),
+            topics=topics,
+            starting=_parse_starting(str(low.get("startingoffsets", "earliest"))),
+            max_records_per_trigger=int_option(low, "maxrecordspertrigger", None)
+            or int_option(low, "maxoffsetspertrigger", None),
+            fail_on_data_loss=bool_option(low, "failondataloss", True),
+            records_per_arrow_batch=int_option(low, "recordsperarrowbatch", 20_000) or 20_000,
+            timeout_s=float(low.get("timeoutseconds", 60.0)),
+            history_gap_topics=tuple(
+                t.strip() for t in str(low.get("historygaptopics", "")).split(",") if t.strip()
+            ),
+            simulated_low_watermarks_file=low.get("simulatedlowwatermarksfile") or None,
+            skip_value_prefixes=_parse_prefixes(str(low.get("skipvalueprefixes", ""))),
+            min_records_per_task=int_option(low, "minrecordspertask", 10_000) or 10_000,
+            wait_for_records_ms=int_option(low, "waitforrecordsms", 0, least=0) or 0,
+        )
+
+    def skip_prefix(self, topic: str) -> bytes | None:
+        for t, prefix in self.skip_value_prefixes:
+            if t == topic:
+                return prefix
+        return None
+
+
+def _parse_prefixes(raw: str) -> tuple[tuple[str, bytes], ...]:
+    out = []
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        topic, sep, hexed = item.strip().rpartition("=")
+        try:
+            prefix = bytes.fromhex(hexed)
+        except ValueError:
+            prefix = b""
+        if not sep or not topic or not prefix:
+            raise KafkaConfigError(
+                f"expected option 'skipValuePrefixes' as comma-separated topic=hex pairs, found {item!r}"
+            )
+        out.append((topic, prefix))
+    return tuple(out)
+
+
+class KafkaInputPartition(InputPartition):
+    """One topic-partition's offset range ``[start, end)`` of a micro-batch."""
+
+    def __init__(
+        self, topic: str, partition: int, start: int, end: int, lost_from: int | None = None
+    ) -> None:
+        super().__init__((topic, partition, start, end, lost_from))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+        #: offsets ``[lost_from, start)`` were deleted by retention (historyGapTopics only)
+        self.lost_from = lost_from
+
+
+class KafkaRangesPartition(InputPartition):
+    """Several topic-partitions' ranges read one after the other by one task."""
+
+    def __init__(self, ranges: Sequence[KafkaInputPartition]) -> None:
+        super().__init__(tuple(r.value for r in ranges))
+        self.ranges = tuple(ranges)
+
+
+def pack_ranges(ranges: Sequence[KafkaInputPartition], min_records: int) -> list[InputPartition]:
+    """Tasks for a micro-batch's ranges: ``ceil(records / min_records)`` of them (at least one,
+    at most one per range), each range whole in one task, the largest ranges first into the
+    emptiest task (so tasks are about even). A single range stays a plain partition."""
+    if len(ranges) <= 1:
+        return list(ranges)
+    total = sum(r.end - r.start for r in ranges)
+    tasks = max(1, min(len(ranges), -(-total // max(1, min_records))))
+    if tasks == len(ranges):
+        return list(ranges)
+    bins: list[list[KafkaInputPartition]] = [[] for _ in range(tasks)]
+    sizes = [0] * tasks
+    for r in sorted(ranges, key=lambda r: (-(r.end - r.start), r.topic, r.partition)):
+        i = sizes.index(min(sizes))
+        bins[i].append(r)
+        sizes[i] += r.end - r.start
+    out: list[InputPartition] = []
+    for b in bins:
+        b.sort(key=lambda r: (r.topic, r.partition))
+        out.append(b[0] if len(b) == 1 else KafkaRangesPartition(b))
+    return out
+
+
+#: The module Spark runs a stream reader's driver-side methods in (one process per source).
+_SOURCE_RUNNER = "pyspark.sql.streaming.python_streaming_source_runner"
+
+
+def exit_if_spark_stopped_the_runner() -> None:
+    """Called from :meth:`KafkaStreamReader.stop`. The JVM stops a source's runner process by
+    closing its socket: the runner, waiting for the next call, reads EOF, calls ``stop()``,
+    then reports the EOF as a failure over the socket that is gone, and prints the resulting
+    ``BrokenPipeError`` traceback (three chained tracebacks) on the service's stderr, at each
+    stop of a query that finds it waiting (a dropped or re-created sink, a restart). There is
+    nobody left to report to and nothing left to read: in that case, and only then (EOF in
+    flight, in that runner), the process ends here, quietly. Any other failure is reported
+    as Spark reports it."""
+    if sys.exc_info()[0] is not EOFError:
+        return
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) != _SOURCE_RUNNER:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Driver side: ``initialOffset``, ``latestOffset``, ``partitions``, ``commit`` run in one
+    long-lived Python process per query, so the probe and its cache live on ``self``.
+    Executor side: ``read`` runs on an unpickled copy without the probe."""
+
+    #: Read only values and offsets (keys, timestamps and headers null): see :func:`read_range`.
+    values_only = False
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._probe: OffsetProbe | None = None
+        self._target: Offsets | None = None  # availableNow: do not read beyond this
+        self._latest: Offsets | None = None
+        self._partitions: dict[str, tuple[float, list[int]]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- driver side -------------------------------------------------------------------------
+    def _p(self) -> OffsetProbe:
+        if self._probe is None:
+            self._probe = OffsetProbe(self.options.settings, self.options.timeout_s)
+        return self._probe
+
+    def _parts(self, topic: str) -> list[int]:
+        """The partitions of ``topic``, looked up again once :data:`PARTITIONS_TTL_S` passed
+        (a metadata request per topic at every trigger of every query was about a tenth of
+        the source runners' CPU); none while the topic does not exist (picked up once it
+        does)."""
+        now = time.monotonic()
+        known = self._partitions.get(topic)
+        if known is not None and now - known[0] < PARTITIONS_TTL_S:
+            return known[1]
+        try:
+            parts = self._p().partitions_of(topic)
+        except UnknownTopicError:
+            self._partitions.pop(topic, None)
+            return []
+        self._partitions[topic] = (now, parts)
+        return parts
+
+    def latest_ends(self) -> Offsets:
+        """The true end of every partition of every topic."""
+        tps = [(t, p) for t in self.options.topics for p in self._parts(t)]
+        ends = self._p().ends(tps)
+        out: Offsets = {t: {} for t in self.options.topics}
+        for (t, p), e in ends.items():
+            out[t][p] = e
+        return out
+
+    def initialOffset(self) -> dict[str, Any]:
+        starting = self.options.starting
+        if starting == "latest":
+            return offsets_to_json(self.latest_ends())
+        earliest: Offsets = {}
+        for t in self.options.topics:
+            parts = self._parts(t)
+            if t in self.options.history_gap_topics:
+                earliest[t] = {p: 0 for p in parts}  # lost history shows in the first batch
+                continue
+            wm = self._p().watermarks([(t, p) for p in parts], earliest=True)
+            earliest[t] = {p: wm[(t, p)] for p in parts}
+        if starting == "earliest":
+            return offsets_to_json(earliest)
+        assert isinstance(starting, dict)
+        latest = self.latest_ends() if any(v == -1 for ps in starting.values() for v in ps.values()) else {}
+        out: Offsets = {t: dict(ps) for t, ps in earliest.items()}
+        for t, ps in starting.items():
+            for p, v in ps.items():
+                if v == -2:
+                    v = earliest.get(t, {}).get(p, 0)
+                elif v == -1:
+                    v = latest.get(t, {}).get(p, 0)
+                elif v < 0:
+                    raise KafkaConfigError(
+                        f"expected an offset >= 0, -1 (latest) or -2 (earliest) for {t}/{p}, "
+                        f"found {v}"
+                    )
+                out.setdefault(t, {})[p] = v
+        return offsets_to_json(out)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.options.max_records_per_trigger
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self.latest_ends()
+
+    def low_watermarks(self) -> Offsets:
+        """The first available offset of every partition of the history-gap topics (with the
+        simulated ones of ``simulatedLowWatermarksFile`` where higher)."""
+        out: Offsets = {}
+        topics = self.options.history_gap_topics
+        if not topics:
+            return out
+        tps = [(t, p) for t in topics for p in self._parts(t)]
+        for (t, p), o in self._p().watermarks(tps, earliest=True).items():
+            out.setdefault(t, {})[p] = o
+        path = self.options.simulated_low_watermarks_file
+        if path and os.path.exists(path):
+            with open(path) as f:
+                sim = json.load(f)
+            for t, ps in sim.items():
+                for p, o in ps.items():
+                    cur = out.setdefault(t, {})
+                    cur[int(p)] = max(int(o), cur.get(int(p), 0))
+        return out
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        s = offsets_from_json(start)
+        end = self.next_end(s, limit)
+        deadline = time.monotonic() + self.wait_budget()
+        # A record that ends a wait may still make no micro-batch (one a holding reader holds
+        # back): the look after it waits on, within the same budget.
+        while not pending(s, end):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._p().await_records(self.watched(), left):
+                break
+            end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
+        return offsets_to_json(end)
+
+    def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:
+        """The end of the next micro-batch from ``s`` (``s`` itself: no micro-batch yet)."""
+        return self._end(s, limit)
+
+    def wait_budget(self) -> float:
+        """How long ``latestOffset`` may wait for a record when it finds nothing to read."""
+        if self._target is not None:
+            return 0.0  # availableNow: the query stops at its target instead
+        return self.options.wait_for_records_ms / 1000.0
+
+    def watched(self) -> dict[tuple[str, int], int]:
+        """The partitions whose next record makes a micro-batch, at the ends last seen."""
+        return {(t, p): e for t, ps in (self._latest or {}).items() for p, e in ps.items()}
+
+    def _end(self, s: Offsets, limit: ReadLimit) -> Offsets:
+        """The end of the next micro-batch from ``s``: every record there is (up to the
+        availableNow target), capped by ``limit``."""
+        if self.options.history_gap_topics:
+            # Lost offsets are no records: admission control counts from the low watermark.
+            lows = self.low_watermarks()
+            s = {
+                t: {p: max(o, lows.get(t, {}).get(p, 0)) for p, o in ps.items()}
+                for t, ps in s.items()
+            }
+        latest = self.latest_ends()
+        if self._target is not None:
+            target = self._target
+            latest = {
+                t: {p: min(e, target[t][p]) for p, e in ps.items() if p in target.get(t, {})}
+                for t, ps in latest.items()
+            }
+        self._latest = latest
+        end = advance(s, latest)
+        if isinstance(limit, ReadMaxRows):
+            end = cap(s, end, int(limit.max_rows))
+        return end
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return offsets_to_json(self._latest) if self._latest is not None else None
+
+    def input_ranges(self, start: dict[str, Any], end: dict[str, Any]) -> list[KafkaInputPartition]:
+        """The ranges ``[start, end)`` of every partition; on a history-gap topic, offsets below
+        the low watermark are marked lost (``lost_from``) instead of read."""
+        ranges = pending(offsets_from_json(start), offsets_from_json(end))
+        if not self.options.history_gap_topics:
+            return [KafkaInputPartition(t, p, s, e) for t, p, s, e in ranges]
+        lows = self.low_watermarks()
+        parts = []
+        for t, p, s, e in ranges:
+            low = lows.get(t, {}).get(p, 0)
+            if s < low:
+                parts.append(KafkaInputPartition(t, p, min(low, e), e, lost_from=s))
+            else:
+                parts.append(KafkaInputPartition(t, p, s, e))
+        return parts
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return pack_ranges(self.input_ranges(start, end), self.options.min_records_per_task)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        pass  # Spark keeps the offsets in its checkpoint; nothing to commit to Kafka
+
+    def stop(self) -> None:
+        p, self._probe = self._probe, None
+        if p is not None:
+            p.close()
+        exit_if_spark_stopped_the_runner()
+
+    # -- executor side -----------------------------------------------------------------------
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        settle()
+        if isinstance(partition, KafkaRangesPartition):
+            return itertools.chain.from_iterable(self._read_one(r) for r in partition.ranges)
+        assert isinstance(partition, KafkaInputPartition)
+        return self._read_one(partition)
+
+    def _read_one(self, partition: KafkaInputPartition) -> Iterator[pa.RecordBatch]:
+        o = self.options
+        lost_from = getattr(partition, "lost_from", None)
+        if lost_from is not None:
+            return _with_gap_marker(o, partition, lost_from, self.values_only)
+        return read_range(
+            o.settings,
+            partition.topic,
+            partition.partition,
+            partition.start,
+            partition.end,
+            batch_size=o.records_per_arrow_batch,
+            fail_on_data_loss=o.fail_on_data_loss,
+            timeout_s=o.timeout_s,
+            skip_prefix=o.skip_prefix(partition.topic),
+            values_only=self.values_only,
+        )
+
+
+HISTORY_GAP_HEADER = "shardsink-history-gap"
+
+
+def _with_gap_marker(
+    o: SourceOptions, partition: KafkaInputPartition, lost_from: int, values_only: bool = False
+) -> Iterator[pa.RecordBatch]:
+    """The marker record of lost offsets ``[lost_from, partition.start)``, then the range."""
+    schema = _arrow_schema()
+    marker = {"key": f"{lost_from}-{partition.start}".encode()}
+    yield pa.RecordBatch.from_pylist(
+        [
+            {
+                "key": None,
+                "value": None,
+                "topic": partition.topic,
+                "partition": partition.partition,
+                "offset": lost_from,
+                "timestamp": None,
+                "headers": [{"key": HISTORY_GAP_HEADER, "value": marker["key"]}],
+            }
+        ],
+        schema=schema,
+    )
+    if partition.end > partition.start:
+        yield from read_range(
+            o.settings,
+            partition.topic,
+            partition.partition,
+            partition.start,
+            partition.end,
+            batch_size=o.records_per_arrow_batch,
+            fail_on_data_loss=o.fail_on_data_loss,
+            timeout_s=o.timeout_s,
+            skip_prefix=o.skip_prefix(partition.topic),
+            values_only=values_only,
+        )
+
+
+def _arrow_schema() -> pa.Schema:
+    return to_arrow_schema(KAFKA_SCHEMA, timezone="UTC")
+
+
+def read_range(
+    settings: KafkaSettings,
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    *,
+    batch_size: int = 20_000,
+    fail_on_data_loss: bool = True,
+    timeout_s: float = 60.0,
+    skip_prefix: bytes | None = None,
+    values_only: bool = False,
+) -> Iterator[pa.RecordBatch]:
+    """Exactly the records of ``topic``/``partition`` with offsets in ``[start, end)``, as
+    RecordBatches of the source schema. Offsets may have gaps (compaction, transaction
+    markers); the range ends at the first record at or beyond ``end`` or at end-of-partition
+    beyond ``end - 1``. Raises :class:`KafkaTimeoutError` when nothing arrives for
+    ``timeout_s`` and :class:`KafkaDataLossError` when ``start`` was deleted (unless
+    ``fail_on_data_loss`` is false: then it reads from the first available record). With
+``skip_prefix``, records whose value starts with it are left out. With ``values_only``, the
+``key``, ``timestamp`` and ``headers`` columns are null (a reader that needs only values and
+offsets saves a third of the per-record work)."""
+    if end <= start:
+        return
+    schema = _arrow_schema()
+    htype = schema.field("headers").type
+    tstype = schema.field("timestamp").type
+    extra = {
+        "enable.partition.eof": "true",
+        "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
+        "fetch.wait.max.ms": "5",  # a re-assigned consumer waits out the fetch in flight
+        "queued.min.messages": str(max(batch_size, 100_000)),
+    }
+    pool_key = (repr(sorted(settings.config(**extra).items())), topic, partition)
+    consumer = _POOL.pop(pool_key, None) or new_consumer(settings, **extra)
+    pooled = False
+
+    def build(keys: list[Any], vals: list[Any], offs: list[int], tss: list[Any],
+              hdrs: list[Any], any_headers: bool) -> pa.RecordBatch:
+        n = len(offs)
+        if values_only:
+            return pa.RecordBatch.from_arrays(
+                [pa.nulls(n, pa.binary()), pa.array(vals, pa.binary()), pa.array([topic] * n, pa.string()),
+                 pa.array(np.full(n, partition, dtype=np.int32)), pa.array(offs, pa.int64()),
+                 pa.nulls(n, tstype), pa.nulls(n, htype)],
+                schema=schema,
+            )
+        ts = pc.multiply(pa.array(tss, pa.int64()), 1000).cast(tstype)
+        if any_headers:
+            headers = pa.array(
+                [None if h is None else [{"key": k, "value": v} for k, v in h] for h in hdrs],
+                htype,
+            )
+        else:
+            headers = pa.nulls(n, htype)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(keys, pa.binary()),
+                pa.array(vals, pa.binary()),
+                pa.array([topic] * n, pa.string()),
+                pa.array(np.full(n, partition, dtype=np.int32)),
+                pa.array(offs, pa.int64()),
+                ts,
+                headers,
+            ],
+            schema=schema,
+        )
+
+    try:
+        consumer.assign([TopicPartition(topic, partition, start)])
+        keys: list[Any] = []
+        vals: list[Any] = []
+        offs: list[int] = []
+        tss: list[Any] = []
+        hdrs: list[Any] = []
+        any_headers = False
+        done = False
+        idle_since = time.monotonic()
+        next_off = start
+        while not done:
+            # consume() waits until it has num_messages or the timeout passed: ask for no more
+            # than the range still holds, so a range without gaps returns as soon as it is there.
+            want = max(1, min(batch_size, 10_000, end - next_off))
+            msgs = consumer.consume(num_messages=want, timeout=0.05)
+            if not msgs:
+                if time.monotonic() - idle_since > timeout_s:
+                    raise KafkaTimeoutError(
+                        f"expected records up to offset {end} of {topic}/{partition} within "
+                        f"{timeout_s}s, found the last at {offs[-1] if offs else start - 1}",
+                        topic=topic, partition=partition,
+                    )
+                continue
+            idle_since = time.monotonic()
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    code = err.code()
+                    if code == KafkaError._PARTITION_EOF:
+                        if int(m.offset() or 0) >= end:
+                            done = True
+                            break
+                        continue
+                    if code == KafkaError._AUTO_OFFSET_RESET or code == KafkaError.OFFSET_OUT_OF_RANGE:
+                        raise KafkaDataLossError(
+                            f"expected offsets [{start}, {end}) of {topic}/{partition} to be "
+                            f"readable, found them deleted ({err.str()})",
+                            topic=topic, partition=partition, start=start, end=end,
+                        )
+                    raise translate(KafkaException(err), f"reading {topic}/{partition}")
+                off = int(m.offset() or 0)
+                if off >= end:
+                    done = True
+                    break
+                next_off = off + 1
+                val = m.value()
+                if skip_prefix is not None and val is not None and val.startswith(skip_prefix):
+                    continue  # (the end of the range is checked after the loop)
+                vals.append(val)
+                offs.append(off)
+                if not values_only:
+                    keys.append(m.key())
+                    tt, t = m.timestamp()
+                    tss.append(t if tt else None)
+                    h = m.headers()
+                    if h is not None:
+                        any_headers = True
+                    hdrs.append(h)
+                if off == end - 1:
+                    done = True
+                    break
+            if next_off >= end:  # the range's last record was read (skipped or kept)
+                done = True
+            if len(offs) >= batch_size or (done and offs):
+                yield build(keys, vals, offs, tss, hdrs, any_headers)
+                keys, vals, offs, tss, hdrs = [], [], [], [], []
+                any_headers = False
+        # Read to the end: the consumer (connected, with the partition's metadata) serves the
+        # next micro-batch's range of this partition in this worker process.
+        consumer.unassign()  # stops fetching and drops what was prefetched beyond ``end``
+        # Threads of one process (the queries of a driver) may read the same partition: keep
+        # one consumer per key, close the other.
+        pooled = _POOL.setdefault(pool_key, consumer) is consumer
+    finally:
+        if not pooled:
+            consumer.close()
+
+
+#: Consumers kept between micro-batches, per (config, topic, partition), in each Python
+#: worker process (Spark reuses its Python workers): a new consumer costs a connection and a
+#: metadata round trip (about 50 ms per partition per micro-batch on the embedded broker).
+#: A consumer is taken out while in use, so one range never shares it with another; it is
+#: unassigned when a range is read to its end and assigned again at the next range's start. One used by a read that failed or stopped early is closed instead.
+_POOL: dict[tuple[str, str, int], Any] = {}
+
+
+def close_pooled_consumers() -> int:
+    """Close this process's pooled consumers (a long-lived process that read ranges directly
+    and is done with the broker). Returns how many were closed."""
+    n = 0
+    while _POOL:
+        _, consumer = _POOL.popitem()
+        try:
+            consumer.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        n += 1
+    return n
+
+
+
+#: Without news beside it, a :class:`HoldingStreamReader`'s held topic is admitted at least
+#: this often.
+ADMIT_EVERY_S = 1.0
+
+
+class HoldingStreamReader(KafkaStreamReader):
+    """Admission control that holds the records of one topic it reads (``held``) back while
+    they cannot change what its query does, because a micro-batch costs its planning, offset
+    and commit logs and driver call (tens of ms of CPU) whatever it holds. ``latestOffset``
+    admits them together with news on any other topic it reads (read in the same
+    micro-batch), while :meth:`holding` says no, when :meth:`admits` says so, at an
+    availableNow trigger, and at least every :data:`ADMIT_EVERY_S`; otherwise the held topic
+    keeps the offsets of ``start``. Holding only ever delays records: the next admitted
+    micro-batch covers every held one. The first call (a start or a restart) admits. With
+    ``waitForRecordsMs``, a holding reader waits for a record of the other topics only, and
+    never past the time the held topic is admitted anyway."""
+
+    admit_every_s: ClassVar[float] = ADMIT_EVERY_S
+
+    def __init__(self, options: SourceOptions, held: str) -> None:
+        super().__init__(options)
+        self.held = held
+        self._admitted = float("-inf")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "held": self.held, "_admitted": float("-inf")}
+
+    def holding(self) -> bool:
+        """Whether the query cannot use the held topic now (default: always)."""
+        return True
+
+    def admits(self, start: Offsets, end: Offsets, limit: ReadLimit) -> bool:
+        """Another reason to admit the held topic at once, up to the candidate ``end`` (default:
+        none)."""
+        return False
+
+    def held_may_admit(self) -> bool:
+        """Whether a held record may itself be a reason to admit (:meth:`admits` reads the held
+        records): then a wait for records watches the held topic too (default: no)."""
+        return False
+
+    def waiting(self, start: Offsets) -> int:
+        """Records of the held topic past ``start``, up to the latest ends last looked up."""
+        s = start.get(self.held, {})
+        return sum(max(0, e - s.get(p, 0)) for p, e in (self._latest or {}).get(self.held, {}).items())
+
+    def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:
+        end = self._end(s, limit)
+        now = time.monotonic()
+        if (self._target is not None or not self.holding() or now - self._admitted >= self.admit_every_s
+                or news_beside(s, end, self.held) or self.admits(s, end, limit)):
+            self._admitted = now
+            return end
+        return held_back(s, end, self.held)
+
+    def wait_budget(self) -> float:
+        """Never past the time the held topic is admitted anyway."""
+        left = self.admit_every_s - (time.monotonic() - self._admitted)
+        return max(0.0, min(super().wait_budget(), left))
+
+    def watched(self) -> dict[tuple[str, int], int]:
+        """While holding, only the other topics: a held record alone makes no micro-batch
+        (unless :meth:`held_may_admit`)."""
+        w = super().watched()
+        if not self.holding() or self.held_may_admit():
+            return w
+        return {tp: e for tp, e in w.items() if tp[0] != self.held}

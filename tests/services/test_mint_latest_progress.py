@@ -1,0 +1,112 @@
+"""Mint reads only the tail of each desired range, back to its latest progress statement
+(:func:`services.sinkio.read_latest_progress`), against the real broker: the desired
+frontier it learns equals the one of reading every record, for ranges whose latest statement
+is near their end, far from it, absent, or closed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pytest
+
+import services.sinkio as sinkio
+from services.sinkio import KIND_PROGRESS, decode_on_driver, read_latest_progress
+from shared.codec import MARKER, RowCodec, message_codec
+from shared.desired import encode_progress, encode_update
+from shared.devstack.embedded import EmbeddedStack
+from shared.frontier import Frontier
+from shared.io.kafka import KafkaSettings
+from shared.spark.kafka_source import close_pooled_consumers, read_range
+from tests.spark.test_spark_kafka_source import create_topic, produce
+
+SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]}
+UPDATE_PREFIX = MARKER + message_codec("desired").fingerprint + b"\x00"
+
+
+def frontier_of(table: object, topic: str) -> Frontier:
+    """Partition 0's progress after absorbing the decoded statements (forward only)."""
+    f = Frontier.minimum()
+    for r in decode_on_driver(table, topic, progress_only=True).to_pylist():  # type: ignore[arg-type]
+        if r["kind"] == KIND_PROGRESS and r["partition"] == 0:
+            g = Frontier.empty() if r["frontier_closed"] else Frontier.at(r["frontier"] & (2**64 - 1))
+            f = f.join(g)
+    return f
+
+
+@pytest.fixture(scope="module")
+def history(stack: EmbeddedStack) -> Iterator[tuple[KafkaSettings, str, list[bytes]]]:
+    """One partition: 5,000 updates with progress statements at irregular gaps, a long run of
+    updates with none, then a closing statement followed by more updates."""
+    rng = random.Random(11)
+    codec = RowCodec(SCHEMA)
+    values: list[bytes] = []
+    t = 0
+    for step in range(40):
+        for _ in range(rng.choice([3, 50, 120, 700])):
+            values.append(encode_update(codec.encode({"k": len(values)}), t + rng.randrange(5), 1))
+        t += 5
+        values.append(encode_progress(0, Frontier.at(t)))
+    for _ in range(3000):  # a long stretch of updates with no statement
+        values.append(encode_update(codec.encode({"k": len(values)}), t, 1))
+    values.append(encode_progress(0, Frontier.empty()))
+    values.extend(encode_update(codec.encode({"k": i}), t, -1) for i in range(10))
+    topic = f"mint-tail-{rng.randrange(10**9)}"
+    create_topic(stack.bootstrap_servers, topic, 1)
+    produce(stack.bootstrap_servers, topic, [(0, v) for v in values], rounds=7)
+    yield KafkaSettings.of(stack.bootstrap_servers), topic, values
+    close_pooled_consumers()  # this process's pooled consumers go before the broker does
+
+
+def test_the_tail_read_learns_the_same_frontier_as_reading_every_record(
+    history: tuple[KafkaSettings, str, list[bytes]],
+) -> None:
+    kafka, topic, values = history
+    n = len(values)
+    rng = random.Random(3)
+    ranges = [(0, n), (0, n - 10), (0, n - 11), (0, n - 3012), (n - 3011, n - 11), (n - 11, n)]
+    ranges += sorted({(a, min(n, a + rng.choice([1, 40, 600, 5000]))) for a in (rng.randrange(n) for _ in range(25))})
+    seen: set[object] = set()
+    for lo, hi in ranges:
+        whole = [b.select(["topic", "partition", "offset", "value"])
+                 for b in read_range(kafka, topic, 0, lo, hi, skip_prefix=UPDATE_PREFIX)]
+        expected = frontier_of(pa.Table.from_batches(whole) if whole else sinkio._empty_raw(), topic)
+        tail = read_latest_progress(kafka, topic, 0, lo, hi, UPDATE_PREFIX)
+        got = frontier_of(tail, topic)
+        assert got == expected, (lo, hi)
+        seen.add(got.time if not got.is_empty() else "closed")
+        offsets = tail["offset"].to_pylist()
+        assert offsets == sorted(offsets) and all(lo <= o < hi for o in offsets)
+    # the ranges cover a closed frontier, the last one before the long stretch, ranges without
+    # any statement (the minimum) and several in between
+    assert {"closed", 200, 0} <= seen and len(seen) > 5, seen
+
+
+def test_the_tail_read_reads_a_few_windows_not_the_range(
+    history: tuple[KafkaSettings, str, list[bytes]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Records the broker hands out, counted at read_range: the closing statement sits 10
+    records before the end, so one window of the default size finds it."""
+    kafka, topic, values = history
+    n = len(values)
+    windows: list[tuple[int, int]] = []
+    import shared.spark.kafka_source as sk
+
+    orig = sk.read_range
+
+    def counting(k, t, p, lo, hi, **kw):  # type: ignore[no-untyped-def]
+        windows.append((lo, hi))
+        return orig(k, t, p, lo, hi, **kw)
+
+    monkeypatch.setattr(sk, "read_range", counting)
+    tail = read_latest_progress(kafka, topic, 0, 0, n, UPDATE_PREFIX)
+    assert windows == [(n - sinkio.LATEST_PROGRESS_WINDOW, n)]
+    assert frontier_of(tail, topic) == Frontier.empty()
+    # The stretch of 3,000 updates without a statement: windows grow until one holds it.
+    windows.clear()
+    read_latest_progress(kafka, topic, 0, 0, n - 11, UPDATE_PREFIX)
+    sizes = [hi - lo for lo, hi in windows]
+    assert sizes[0] == sinkio.LATEST_PROGRESS_WINDOW and all(b == 4 * a for a, b in zip(sizes, sizes[1:-1]))
+    assert windows[0][1] == n - 11 and all(w[1] == v[0] for v, w in zip(windows, windows[1:]))
+    assert sum(sizes) < n - 11
