@@ -165,3 +165,14 @@ def test_no_module_is_over_about_800_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(ROOT)) not in LONGER_ALLOWED
     }
     assert long == {}
+
+
+def test_the_public_package_takes_from_the_services_only_their_settings() -> None:
+    """``shardsink`` (the API and the CLI) imports the core, its adapters and the services'
+    settings module, which itself imports no other part of the services."""
+    modules = project_modules()
+    public = {n: imports_of(n, p, modules) for n, p in modules.items() if n.startswith("shardsink")}
+    from_services = {n: sorted(d for d in deps if d.startswith("services")) for n, deps in public.items()}
+    assert {d for deps in from_services.values() for d in deps} <= {"services.runtime.settings"}, from_services
+    settings = imports_of("services.runtime.settings", modules["services.runtime.settings"], modules)
+    assert all(d.startswith("shared") for d in settings), settings
