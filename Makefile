@@ -42,7 +42,7 @@ bench-shard: $(STAMP)
 bench-kafka: $(STAMP)
 	$(VPY) bench/bench_kafka.py $(ARGS)
 
-## make bench-controller: controller benchmark (peek of 1M rows, subscribe lag, compaction; last line: JSON)
+## make bench-controller: controller benchmark (peek of 1M rows, subscribe lag, compaction and the same compaction by DuckDB and Polars; last line: JSON)
 bench-controller: $(STAMP)
 	$(VPY) bench/bench_controller.py $(ARGS)
 

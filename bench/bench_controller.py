@@ -7,8 +7,10 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 - subscribe_lag_p50_s / subscribe_lag_p99_s: a shard upper advance (compare_and_append
   returned) to the progress row for that upper on the subscribe topic (200 small appends)
 - compaction_mb_per_s: Parquet bytes of the batches merged when a read policy moves since
-  past 20 batches of 50k rows (what the tiered compaction left of them: 800k and 200k rows,
-  a balanced run that the since move merges), divided by the time from the SetReadPolicy command to the
+  past 20 batches of 50k rows (issue 31's workload: ids, names and amounts, each batch 70 %
+  new rows and 30 % retractions of rows of earlier batches, so keys repeat across parts and
+  the merge cancels them; what the tiered compaction left of them: 800k and 200k rows, a
+  balanced run that the since move merges), divided by the time from the SetReadPolicy command to the
   merge's commit (the time stamped on the parts it retired; the bench polls every 50 ms, so
   that its own S3 requests do not slow the merge down); ``compaction_rows_per_s`` the rows
   merged per second; the controller merges in its process (no Spark master);
@@ -19,6 +21,16 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   bench's polling thread, and the stack's S3 server and broker: ``compaction_cpu_s_by_process``), and
   ``compaction_cpu_bound_mb_per_s`` the bytes over that CPU spread evenly on every core of the
   machine: the most the figure could reach here, were every core busy with the merge alone
+- compaction_vs_duckdb / compaction_vs_polars: the same merged parts, copied once from the S3
+  server to local files, consolidated the same way (times advanced to since, equal updates
+  summed, zero sums dropped, snappy Parquet out) by the merge's own steps (read and decode,
+  ``merge_table``, encode and write: ``compaction_local_mb_per_s``, ``compaction_local_cpu_s``),
+  by DuckDB (``duckdb_mb_per_s``, ``duckdb_cpu_s``) and by Polars (``polars_mb_per_s``,
+  ``polars_cpu_s``), in turn in this process after the controller stopped, median of 7 (3
+  with ``--quick``): the ratio of our MB/s to each peer's (bench/compaction_peers.py; local
+  copies for all, the S3 server for none). Targets: >= 1.0 against DuckDB, >= 0.9 against
+  Polars. ``compaction_cpu_vs_duckdb`` / ``_polars``: the peer's CPU seconds over ours (above
+  1: ours used less), steadier than the MB/s on a shared machine
 - compaction_mb_per_s_cluster: the same compaction (after one untimed warm-up compaction)
   with a second controller whose merges are Spark jobs (SHARDSINK_CONTROLLER_SPARK_MASTER,
   threshold 0) on a standalone cluster of 2 workers x 1 core started from the pyspark wheel;
@@ -52,6 +64,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,6 +79,9 @@ from shared.io.controller_client import ControllerClient, body_kind  # noqa: E40
 from shared.io.kafka import new_consumer  # noqa: E402
 from shared.shard import Shard  # noqa: E402
 from shared.state import plan_merge, plan_since_merge  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compaction_peers import compare as compare_peers  # noqa: E402
 
 SCHEMA = {
     "type": "record",
@@ -93,6 +109,38 @@ def rows_table(start: int, n: int, time_: int) -> pa.Table:
             "_diff": pa.array([1] * n, pa.int64()),
         }
     )
+
+
+class Churn:
+    """Issue 31's compaction workload, batch by batch: each batch 70 % new rows (random ids,
+    names of 1,000 values, random amounts) and 30 % retractions of rows that earlier batches
+    inserted and nothing retracted yet, shuffled; batch i at time i."""
+
+    def __init__(self, seed: int = 31) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.live_ids = np.empty(0, np.int64)
+        self.live_amounts = np.empty(0, np.float64)
+        self.names = np.array([f"name-{i}" for i in range(1000)], dtype=object)
+
+    def batch(self, n: int, time_: int) -> pa.Table:
+        rng = self.rng
+        k = int(n * 0.3) if self.live_ids.size >= n else 0
+        new_ids = rng.integers(0, 2**40, n - k)
+        new_amounts = rng.random(n - k) * 1000
+        pick = rng.choice(self.live_ids.size, size=k, replace=False) if k else np.empty(0, np.int64)
+        ids = np.concatenate([new_ids, self.live_ids[pick]])
+        amounts = np.concatenate([new_amounts, self.live_amounts[pick]])
+        diffs = np.concatenate([np.ones(n - k, np.int64), -np.ones(k, np.int64)])
+        self.live_ids = np.concatenate([np.delete(self.live_ids, pick), new_ids])
+        self.live_amounts = np.concatenate([np.delete(self.live_amounts, pick), new_amounts])
+        perm = rng.permutation(n)
+        return pa.table({
+            "id": pa.array(ids[perm], pa.int64()),
+            "name": pa.array(self.names[ids[perm] % 1000].tolist(), pa.string()),
+            "amount": pa.array(amounts[perm], pa.float64()),
+            "_time": pa.array(np.full(n, time_, np.uint64)),
+            "_diff": pa.array(diffs[perm], pa.int64()),
+        })
 
 
 def create(client: ControllerClient, cid: str) -> None:
@@ -208,8 +256,9 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     (:func:`cpu_seconds`) and the MB/s those allow on this machine's cores."""
     create(client, cid)
     shard = Shard(store, cid)  # type: ignore[arg-type]
+    churn = Churn()
     for i in range(batches):
-        shard.compare_and_append(rows_table(i * rows, rows, i), i, i + 1)
+        shard.compare_and_append(churn.batch(rows, i), i, i + 1)
     # Let the controller's tiered compaction of the appends settle first.
     st, quiet_since = shard.refresh(), time.monotonic()
     while time.monotonic() - quiet_since < 1.0:
@@ -246,7 +295,8 @@ def bench_compaction(client: ControllerClient, store: object, batches: int, rows
     dt = (done_ms - t0_ms) / 1000.0
     mb = nbytes / 1e6
     out: dict[str, Any] = {"mb_per_s": mb / dt, "rows_per_s": nrows / dt,
-                           "s3_requests_alone_mb_per_s": None if io_s is None else mb / io_s}
+                           "s3_requests_alone_mb_per_s": None if io_s is None else mb / io_s,
+                           "keys": keys, "since": batches}
     if stack is not None:
         # The first sample taken at or after the commit (polls are 50 ms apart: the CPU of up
         # to one poll interval after it is counted too, an overestimate of at most that).
@@ -407,6 +457,10 @@ def main() -> int:
         finally:
             controller.stop()
             client.close()
+        # The peers on the bytes the timed merge consolidated (retired parts outlive the merge
+        # by the grace period), with the controller stopped: this process does nothing else.
+        peers = compare_peers(store, compaction["keys"], compaction["since"], SCHEMA, reps=3 if args.quick else 7,
+                              log=log)
         comp_cluster = None if args.no_cluster else bench_compaction_cluster(stack, 20, comp_n)
         spark_read_s = bench_spark_read(svc, peek_rows)
         idle = bench_idle(stack, args.idle_collections or (10 if args.quick else 100))
@@ -422,6 +476,18 @@ def main() -> int:
         "compaction_cpu_bound_mb_per_s": _round(compaction.get("cpu_bound_mb_per_s"), 2),
         "compaction_rows_per_s": round(compaction["rows_per_s"]),
         "compaction_rows": 20 * comp_n,
+        "compaction_vs_duckdb": peers["vs_duckdb"],
+        "compaction_vs_polars": peers["vs_polars"],
+        "compaction_cpu_vs_duckdb": peers["cpu_vs_duckdb"],
+        "compaction_cpu_vs_polars": peers["cpu_vs_polars"],
+        "compaction_local_mb_per_s": peers["ours_mb_per_s"],
+        "compaction_local_cpu_s": peers["ours_cpu_s"],
+        "duckdb_mb_per_s": peers["duckdb_mb_per_s"],
+        "duckdb_cpu_s": peers["duckdb_cpu_s"],
+        "polars_mb_per_s": peers["polars_mb_per_s"],
+        "polars_cpu_s": peers["polars_cpu_s"],
+        "peers_mb": peers["mb"],
+        "peers_input": "local copies of the merged parts (all engines)",
         "compaction_mb_per_s_cluster": None if comp_cluster is None else round(comp_cluster, 2),
         "compaction_cluster_vs_local": None if comp_cluster is None else round(comp_cluster / comp, 3),
         "spark_read_1m_rows_s": round(spark_read_s, 3),

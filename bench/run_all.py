@@ -256,6 +256,12 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         f"{fmt(g(res, 'bench-controller', 'compaction_rows_per_s'))} rows/s; its S3 requests alone "
         f"{fmt(g(res, 'bench-controller', 'compaction_s3_requests_alone_mb_per_s'))} MB/s; the CPU it used, on "
         f"every core, allows {fmt(g(res, 'bench-controller', 'compaction_cpu_bound_mb_per_s'))} MB/s", ">=", 100)
+    peers = (f"same local parts: ours {fmt(g(res, 'bench-controller', 'compaction_local_mb_per_s'))} MB/s, "
+             f"{fmt(g(res, 'bench-controller', 'compaction_local_cpu_s'))} CPU-s; DuckDB "
+             f"{fmt(g(res, 'bench-controller', 'duckdb_mb_per_s'))} MB/s, {fmt(g(res, 'bench-controller', 'duckdb_cpu_s'))} CPU-s; "
+             f"Polars {fmt(g(res, 'bench-controller', 'polars_mb_per_s'))} MB/s, {fmt(g(res, 'bench-controller', 'polars_cpu_s'))} CPU-s")
+    row("controller `compaction_vs_duckdb` (MB/s ratio)", g(res, "bench-controller", "compaction_vs_duckdb"), peers, ">=", 1.0)
+    row("controller `compaction_vs_polars` (MB/s ratio)", g(res, "bench-controller", "compaction_vs_polars"), "", ">=", 0.9)
     row("controller `compaction_mb_per_s_cluster` (Spark job, standalone 2 workers x 1 core)",
         g(res, "bench-controller", "compaction_mb_per_s_cluster"),
         f"{fmt(g(res, 'bench-controller', 'compaction_cluster_vs_local'))} x one process")

@@ -667,10 +667,10 @@ class Shard:
     def write_parts(
         self, table: pa.Table, *, rows_per_part: int | None = None, view: SchemaView | None = None
     ) -> tuple[Part, ...]:
-        """Write ``table`` as parts of at most ``rows_per_part`` rows (default
-        ``MERGE_ROWS_PER_PART``), encoded concurrently (Parquet encoding releases the GIL,
-        so a large merge uses every core)."""
-        rows_per_part = rows_per_part or MERGE_ROWS_PER_PART
+        """Write ``table`` as the fewest equal parts of at most ``rows_per_part`` rows (default
+        ``MERGE_ROWS_PER_PART``), encoded concurrently (Parquet encoding releases the GIL)."""
+        n, most = table.num_rows, rows_per_part or MERGE_ROWS_PER_PART
+        rows_per_part = max(1, -(-n // max(1, -(-n // most))))  # ceil(n / ceil(n / most))
         slices = [table.slice(off, rows_per_part) for off in range(0, table.num_rows, rows_per_part)]
         if len(slices) == 1:
             return (self._write_part(slices[0], view=view),)

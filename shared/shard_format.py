@@ -190,7 +190,7 @@ def updates_to_table(updates: Updates, view: SchemaView) -> pa.Table:
 
 
 #: Rows of a column sampled to judge how often its values repeat (whether its Parquet chunks
-#: use a dictionary; the order of a consolidation's sort keys, :mod:`shared.shard_merge`).
+#: use a dictionary).
 SAMPLE_ROWS = 4096
 
 

@@ -30,7 +30,10 @@ FIGURES = {
     "bench-sink": ["sink_updates_per_s", "baseline_updates_per_s", "freshness_p50_s", "freshness_p99_s",
                    "recovery_s", "correction_peak_ratio"],
     "bench-controller": ["peek_1m_rows_s", "subscribe_lag_p50_s", "subscribe_lag_p99_s", "compaction_mb_per_s",
-                         "compaction_cpu_bound_mb_per_s", "spark_read_1m_rows_s"],
+                         "compaction_cpu_bound_mb_per_s", "spark_read_1m_rows_s",
+                         # the peers on the same merged parts (issue 31)
+                         "compaction_vs_duckdb", "compaction_vs_polars", "compaction_local_mb_per_s",
+                         "duckdb_mb_per_s", "polars_mb_per_s"],
 }
 
 
