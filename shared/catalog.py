@@ -13,6 +13,12 @@ Rules kept here:
 - Ids of dropped collections and sinks are never reused (tombstones stay in the catalog).
 - ``controller_epoch`` fences controllers: a controller claims an epoch on start and every
   write it makes checks it; a second controller's claim fences the first out.
+- A sink created on a collection that holds rows says what its desired topic holds:
+  ``adopt_shard`` (the changes from the collection's upper on; the rows stay) or
+  ``replace_contents`` (the whole truth; rows it does not hold are retracted). Without either
+  the creation is refused (:class:`~shared.errors.SinkBaselineRequiredError`) and nothing is
+  written; both at once is an :class:`~shared.errors.InvalidUsageError`. An empty collection
+  needs neither.
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
 
-from shared.errors import FormatError, InvalidUsageError, ShardsinkError, UnknownIdError
+from shared.errors import (
+    FormatError,
+    InvalidUsageError,
+    ShardsinkError,
+    SinkBaselineRequiredError,
+    UnknownIdError,
+)
 from shared.objectstore import ObjectStore, now_ms
 from shared.versioned import AlreadyApplied, VersionedLog
 
@@ -122,6 +134,13 @@ class SinkDef:
     #: The writer takes the shard's contents at its first start as the desired baseline
     #: (the operator's answer to lost desired history; see docs/operations.md, "Retention safety").
     adopt_shard: bool = False
+    #: The creator said the desired topic is the whole truth: the writer corrects the shard's
+    #: contents to it, retracting rows the topic does not hold (what a sink without
+    #: ``adopt_shard`` does; recorded because a sink on a collection that held rows must say so).
+    replace_contents: bool = False
+
+    def __post_init__(self) -> None:
+        check_baseline_flags(self.adopt_shard, self.replace_contents)
 
     def definition(self) -> dict[str, Any]:
         return {"desired_topic": self.desired_topic, "collection_id": self.collection_id, "as_of": self.as_of}
@@ -136,6 +155,7 @@ class SinkDef:
             "dropped": self.dropped,
             "epoch": self.epoch,
             "adopt_shard": self.adopt_shard,
+            "replace_contents": self.replace_contents,
         }
 
     @staticmethod
@@ -149,6 +169,7 @@ class SinkDef:
             dropped=bool(d.get("dropped", False)),
             epoch=int(d.get("epoch", 0)),
             adopt_shard=bool(d.get("adopt_shard", False)),
+            replace_contents=bool(d.get("replace_contents", False)),
         )
 
 
@@ -310,7 +331,20 @@ class Catalog:
 
     # -- sinks -----------------------------------------------------------------------------
     def create_sink(self, sink: SinkDef, *, epoch: int | None = None) -> CatalogState:
-        return self.update(create_sink_transition(sink), epoch=epoch)
+        """Refused (:class:`~shared.errors.SinkBaselineRequiredError`, nothing written) when the
+        collection holds rows and ``sink`` says neither ``adopt_shard`` nor ``replace_contents``."""
+        return self.update(create_sink_transition(sink, held=self.held_rows(sink.collection_id)), epoch=epoch)
+
+    def held_rows(self, collection_id: str) -> HeldRows:
+        """What the collection's shard holds, from its head state (no data is read); nothing
+        for a collection without a live shard (the catalog's own check names that)."""
+        from shared.shard import Shard
+
+        try:
+            state = Shard(self.store, collection_id).refresh()
+        except (UnknownIdError, InvalidUsageError):  # no shard, or an id that cannot be one
+            return HeldRows(0)
+        return HeldRows(state.total_rows(), state.upper.time)
 
     def drop_sink(self, sink_id: str, *, epoch: int | None = None) -> CatalogState:
         return self.update(drop_sink_transition(sink_id), epoch=epoch)
@@ -392,7 +426,44 @@ def drop_collection_transition(collection_id: str) -> Transition:
     return t
 
 
-def create_sink_transition(sink: SinkDef) -> Transition:
+def check_baseline_flags(adopt_shard: bool, replace_contents: bool) -> None:
+    """At most one answer to "what does the desired topic hold?"."""
+    if adopt_shard and replace_contents:
+        raise InvalidUsageError(
+            "expected at most one of --adopt-shard (adopt_shard) and --replace-contents (replace_contents), found both"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRows:
+    """What a collection's shard holds when a sink is created on it, from its head state:
+    ``rows`` (the count the state records, as ``collection list`` shows) and ``upper`` (its
+    time; None for the empty frontier)."""
+
+    rows: int
+    upper: int | None = 0
+
+
+def check_sink_baseline(sink: SinkDef, held: HeldRows) -> None:
+    """A sink on a collection that holds rows says what its desired topic holds (see the
+    module docstring); :class:`~shared.errors.SinkBaselineRequiredError` when it does not."""
+    if held.rows <= 0 or sink.adopt_shard or sink.replace_contents:
+        return
+    upper = "closed" if held.upper is None else held.upper
+    raise SinkBaselineRequiredError(
+        f"expected sink {sink.sink_id!r} on collection {sink.collection_id!r}, which holds "
+        f"{held.rows} rows (upper {upper}), to say what topic {sink.desired_topic!r} holds: "
+        "--adopt-shard (adopt_shard: only the changes from the collection's upper on; its rows "
+        "stay) or --replace-contents (replace_contents: the whole truth; the sink retracts the "
+        "rows the topic does not hold), found neither; nothing was written",
+        sink_id=sink.sink_id, collection_id=sink.collection_id, rows=held.rows, upper=held.upper,
+    )
+
+
+def create_sink_transition(sink: SinkDef, *, held: HeldRows) -> Transition:
+    """Define ``sink``; ``held`` is what its collection's shard holds now. Re-creating a live
+    sink with its definition is a no-op (whatever it says of the topic); a new sink on a
+    collection that holds rows must say what the topic holds (:func:`check_sink_baseline`)."""
     validate_id("sink", sink.sink_id)
     if not sink.desired_topic:
         raise InvalidUsageError("expected a desired topic name, found ''")
@@ -406,6 +477,7 @@ def create_sink_transition(sink: SinkDef) -> Transition:
             if old.definition() != sink.definition():
                 raise IdReuseError(f"expected sink {sink.sink_id!r} to have its existing definition, found another")
             return s
+        check_sink_baseline(sink, held)
         epoch_n = 1 + max((v.epoch for v in s.sinks.values()), default=0)
         return replace(s, sinks={**s.sinks, sink.sink_id: replace(sink, epoch=epoch_n)})
 
@@ -434,7 +506,8 @@ def adopt_shard_transition(sink_id: str) -> Transition:
         if old.dropped:
             raise UnknownSinkError(f"expected a live sink {sink_id!r}, found a dropped one")
         epoch_n = 1 + max((v.epoch for v in s.sinks.values()), default=0)
-        return replace(s, sinks={**s.sinks, sink_id: replace(old, adopt_shard=True, epoch=epoch_n)})
+        adopted = replace(old, adopt_shard=True, replace_contents=False, epoch=epoch_n)
+        return replace(s, sinks={**s.sinks, sink_id: adopted})
 
     return t
 

@@ -186,6 +186,20 @@ class HistoryUnprovenError(ShardsinkError):
     shard's contents as the baseline (``shardsink sink adopt``)."""
 
 
+class SinkBaselineRequiredError(InvalidUsageError):
+    """A sink was to be created on a collection that holds rows without saying what its
+    desired topic holds: ``adopt_shard`` (``--adopt-shard``: the topic holds the changes from
+    the collection's upper on, the rows stay as they are) or ``replace_contents``
+    (``--replace-contents``: the topic is the whole truth, and the sink retracts the rows it
+    does not hold). Nothing was written. Fields: ``sink_id``, ``collection_id``, ``rows`` (the
+    rows the shard's state records, the count ``collection list`` shows), ``upper``."""
+
+    sink_id: str
+    collection_id: str
+    rows: int
+    upper: int | None
+
+
 class CommandError(ShardsinkError):
     """A controller command was rejected; ``kind`` names the typed error in the response."""
 
@@ -251,6 +265,10 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "InvalidUsageError": ErrorKind(
         "InvalidUsage", "a command or flag that breaks the contract (bad value, bad id, bad time)",
         ("InvalidUsageError", "CatalogError", "ValueError")),
+    "SinkBaselineRequiredError": ErrorKind(
+        "SinkBaselineRequired",
+        "a sink on a collection that holds rows must say what its topic holds (--adopt-shard or --replace-contents)",
+        ("SinkBaselineRequiredError",)),
     "InternalError": ErrorKind(
         "Internal", "a failure of the controller itself (its log says more)",
         # A CommandError is reported under the kind its answer names; without one, here.

@@ -15,7 +15,9 @@ Contract:
   command is never applied twice; an Append's ``staged_parts`` (data objects a client staged
   for an input too large for one command) are checked and committed with its updates as one
   batch, so a client's append lands whole or not at all; a sink created without ``as_of``
-  starts at the collection's upper.
+  starts at the collection's upper; a sink created on a collection that holds rows says what
+  its topic holds (``adopt_shard`` or ``replace_contents``), else it is refused with
+  ``SinkBaselineRequired`` and nothing is written.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from shared.avro_arrow import parse_row_schema
 from shared.catalog import (
     CatalogState,
     CollectionDef,
+    HeldRows,
     SinkDef,
     allow_writes_transition,
     alter_collection_schema_transition,
@@ -131,18 +134,23 @@ class CollectionsRoom:
 
     # -- sinks -----------------------------------------------------------------------------------
     def create_sink(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
+        """A new sink on a collection that holds rows must say what its topic holds
+        (``adopt_shard`` or ``replace_contents``; :func:`shared.catalog.check_sink_baseline`):
+        the rows come from the shard's head state, checked before anything is written."""
         state = self.ctx.catalog.state()
         c = state.collection(b["collection_id"])
+        head = self.ctx.collections[c.collection_id].shard.refresh()
         as_of = b.get("as_of")
         if as_of is None:
             existing = state.sinks.get(b["sink_id"])
             if existing is not None and not existing.dropped:
                 as_of = existing.as_of
             else:
-                upper = self.ctx.collections[c.collection_id].shard.refresh().upper
-                as_of = upper.time if upper.time is not None else 0
-        sink = SinkDef(b["sink_id"], b["desired_topic"], c.collection_id, as_of=int(as_of), read_only=bool(b.get("read_only")))
-        create = create_sink_transition(sink)
+                as_of = head.upper.time if head.upper.time is not None else 0
+        sink = SinkDef(b["sink_id"], b["desired_topic"], c.collection_id, as_of=int(as_of),
+                       read_only=bool(b.get("read_only")), adopt_shard=bool(b.get("adopt_shard")),
+                       replace_contents=bool(b.get("replace_contents")))
+        create = create_sink_transition(sink, held=HeldRows(head.total_rows(), head.upper.time))
         create(state)
         self.ctx.answer(
             cid, self.ctx.ack(cid, sink_id=sink.sink_id, as_of=sink.as_of),

@@ -15,6 +15,7 @@ recorded), else the catalog.
     shardsink collection drop orders
     shardsink collection list                       # direct catalog/shard reads
     shardsink sink create orders-sink --topic orders-desired --collection orders [--read-only]
+                    [--adopt-shard | --replace-contents]   # one of them when orders holds rows
     shardsink sink allow-writes [orders-sink]       # no id: every sink (controller only)
     shardsink sink adopt orders-sink                # after lost desired history: see docs/operations.md
     shardsink sink drop orders-sink
@@ -87,7 +88,7 @@ def register(sub: Any) -> None:
     ssub = sk.add_subparsers(dest="sink_cmd", required=True, metavar="COMMAND", help="what to do")
     p = ssub.add_parser("create", help="register a sink: desired topic -> collection",
                         description="Register a sink: the services keep the collection equal to the desired "
-                        "collection on the topic.")
+                        "collection on the topic.\n\n" + _BASELINE, formatter_class=fmt)
     p.add_argument("sink_id", help="the new sink's id")
     p.add_argument("--topic", required=True, help="the desired topic the sink reads")
     p.add_argument("--collection", required=True, help="the collection the sink writes")
@@ -97,9 +98,14 @@ def register(sub: Any) -> None:
                    help="observe without writing until sink allow-writes")
     p.add_argument(
         "--adopt-shard", action="store_true",
-        help="take the collection's current contents as the desired baseline and correct only "
-        "from its upper on (the desired topic no longer holds the history behind them); "
-        "written to the catalog directly",
+        help="the topic holds only the changes from the collection's upper on: take the collection's "
+        "current contents as the desired baseline and correct only from its upper on (no row of "
+        "them is retracted unless the topic retracts it)",
+    )
+    p.add_argument(
+        "--replace-contents", action="store_true",
+        help="the topic is the whole truth: correct the collection to the topic's contents, "
+        "retracting the rows the topic does not hold",
     )
     add_via(p)
     add_connection_args(p)
@@ -135,6 +141,14 @@ _VIA = """\
 --via controller sends a command to the running controller and waits for its answer;
 --via catalog writes the catalog on S3 directly (deployments without a controller);
 --via auto (the default) is the controller once one has claimed the catalog."""
+
+_BASELINE = """\
+A collection that holds rows needs one of --adopt-shard and --replace-contents: they say what
+the topic holds. --adopt-shard: only the changes from the collection's upper on (the rows stay
+as they are; the sink corrects from there). --replace-contents: the whole truth (the sink
+retracts every row the topic does not hold). Without either the sink is refused
+(SinkBaselineRequiredError, naming the collection and its rows) and nothing is written; both
+at once is a usage error. An empty collection needs neither."""
 
 _POLICIES = """\
 Read policies (--read-policy): valid-from:T holds since at T (valid-from:closed lets it
@@ -326,12 +340,17 @@ def _collection_list(args: argparse.Namespace) -> int:
 
 
 def _sink_create(args: argparse.Namespace) -> int:
-    from shared.catalog import SinkDef
+    """Through the controller (``CreateSink``) or the catalog directly; either way a
+    collection that holds rows needs ``--adopt-shard`` or ``--replace-contents``
+    (:func:`shared.catalog.check_sink_baseline`), and a refusal writes nothing."""
+    from shared.catalog import SinkDef, check_baseline_flags
 
-    if _via_controller(args) and not args.adopt_shard:
+    check_baseline_flags(args.adopt_shard, args.replace_contents)  # before anything is sent
+    if _via_controller(args):
         r = _call(args, "CreateSink", {
             "sink_id": args.sink_id, "collection_id": args.collection, "desired_topic": args.topic,
             "as_of": args.as_of, "read_only": bool(args.read_only), "options": {},
+            "adopt_shard": bool(args.adopt_shard), "replace_contents": bool(args.replace_contents),
         })
         print_json({"created": args.sink_id, "as_of": r.get("as_of")})
         return 0
@@ -346,7 +365,7 @@ def _sink_create(args: argparse.Namespace) -> int:
     _settings(args).catalog().create_sink(
         SinkDef(
             args.sink_id, args.topic, args.collection, as_of=as_of, read_only=args.read_only,
-            adopt_shard=bool(args.adopt_shard),
+            adopt_shard=bool(args.adopt_shard), replace_contents=bool(args.replace_contents),
         )
     )
     print_json({"created": args.sink_id, "as_of": as_of})

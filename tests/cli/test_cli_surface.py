@@ -361,7 +361,8 @@ def test_an_append_of_several_chunks_lands_whole_or_not_at_all(
     assert _data_objects(env, cid) == objects
 
     # A sink defined on the collection: the controller refuses the command; the staged objects go.
-    assert run(capsys, "sink", "create", f"{cid}-sink", "--topic", f"{cid}-desired", "--collection", cid)[0] == 0
+    assert run(capsys, "sink", "create", f"{cid}-sink", "--topic", f"{cid}-desired", "--collection", cid,
+               "--replace-contents")[0] == 0
     more = _lines(tmp_path / "more.jsonl", *[{"row": {"k": 20 + i, "v": "x"}, "time": 9} for i in range(7)])
     code, out, err = run(capsys, "append", cid, "--input", more, "--chunk-rows", "3")
     assert (code, out) == (2, "")

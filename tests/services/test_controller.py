@@ -268,7 +268,7 @@ def test_a_direct_append_into_a_collection_with_a_sink_is_refused_and_leaves_not
     ok(client.call("CreateCollection", create_body("sinked")))
     ok(client.call("Append", append_body("sinked", _rows(2, 0), 1)))  # no sink yet: appended
     ok(client.call("CreateSink", {"sink_id": "sinked-s", "collection_id": "sinked", "desired_topic": "desired-sinked",
-                                  "as_of": None, "read_only": True, "options": {}}))
+                                  "as_of": None, "read_only": True, "options": {}, "replace_contents": True}))
     r = client.call("Append", append_body("sinked", _rows(3, 1, start=10), 2))
     assert error_kind_of(r) == "InvalidUsage", r
     body = r["body"][1]

@@ -191,7 +191,8 @@ class Harness:
         return Shard.open(self.settings.store(), collection_id)
 
     def sink(
-        self, sink_id: str, topic: str, collection_id: str, *, read_only: bool = False
+        self, sink_id: str, topic: str, collection_id: str, *, read_only: bool = False,
+        replace_contents: bool = False,
     ) -> None:
         """Register a sink in the catalog while the services run, and wait until every
         service has picked it up and its query has initialized its sources (one sink at a
@@ -199,7 +200,7 @@ class Harness:
         connect back; starting them one sink at a time keeps that within reach on a busy
         2-core machine)."""
         self.settings.catalog().create_sink(
-            SinkDef(sink_id, topic, collection_id, read_only=read_only)
+            SinkDef(sink_id, topic, collection_id, read_only=read_only, replace_contents=replace_contents)
         )
         self.sinks.append(sink_id)
 

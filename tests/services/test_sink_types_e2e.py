@@ -381,7 +381,7 @@ def test_a_shard_row_the_schema_cannot_hold_becomes_an_error_row_and_the_sink_go
             producer.send({"k": k, "v": "kept"}, 0, 1)
             work.updates.append((work.codec.encode({"k": k, "v": "kept"}), 0, 1))
     producer.advance_to(1)
-    h.sink(sid, topic, cid)
+    h.sink(sid, topic, cid, replace_contents=True)  # the shard holds rows; the topic is the whole truth
 
     def good_and_errors(as_of: int) -> tuple[dict[bytes, int], dict[str, int]]:
         snap = shard.snapshot(as_of)

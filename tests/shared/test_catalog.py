@@ -18,8 +18,10 @@ from shared.catalog import (
     UnknownSinkError,
 )
 from shared.devstack.embedded import EmbeddedStack
-from shared.errors import InvalidUsageError
+from shared.errors import InvalidUsageError, SinkBaselineRequiredError
 from shared.io.s3 import S3ObjectStore, S3Settings
+from shared.objectstore import MemoryObjectStore
+from shared.shard import Shard
 
 SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}]}
 
@@ -196,3 +198,77 @@ def test_supervisor_stops_a_dropped_sinks_query_once_its_sources_are_up(stack: E
     clock[0] = 70.0
     sup2.poll_once()
     assert "s2" not in sup2.running and stuck.stopped
+
+
+# -- a sink on a collection that holds rows says what its topic holds (issue 32) ---------------
+
+
+def _catalog_with_rows(rows: int, *, upper: int = 3) -> Catalog:
+    """A catalog and collection ``c`` whose shard holds ``rows`` rows (in memory)."""
+    store = MemoryObjectStore()
+    catalog = Catalog(store)
+    catalog.create_collection(CollectionDef("c", SCHEMA))
+    shard = Shard.create(store, "c", SCHEMA)
+    shard.compare_and_append([({"k": i}, 0, 1) for i in range(rows)], 0, upper)
+    return catalog
+
+
+def test_a_sink_on_a_collection_that_holds_rows_without_a_flag_is_refused_and_writes_nothing() -> None:
+    catalog = _catalog_with_rows(5)
+    before = catalog.state().encode()
+    with pytest.raises(SinkBaselineRequiredError) as e:
+        catalog.create_sink(SinkDef("s", "t", "c"))
+    assert (e.value.collection_id, e.value.sink_id, e.value.rows, e.value.upper) == ("c", "s", 5, 3)
+    message = str(e.value)
+    assert message.startswith("expected sink 's' on collection 'c', which holds 5 rows (upper 3)"), message
+    assert "--adopt-shard" in message and "--replace-contents" in message and "nothing was written" in message
+    assert catalog.state().encode() == before  # not one state written
+
+
+@pytest.mark.parametrize("flag", ["adopt_shard", "replace_contents"])
+def test_a_sink_on_a_collection_that_holds_rows_is_created_with_either_flag_and_records_it(flag: str) -> None:
+    catalog = _catalog_with_rows(5)
+    catalog.create_sink(SinkDef("s", "t", "c", **{flag: True}))
+    sink = catalog.state().sink("s")
+    assert (sink.adopt_shard, sink.replace_contents) == (flag == "adopt_shard", flag == "replace_contents")
+    assert SinkDef.from_json(sink.to_json()) == sink
+
+
+def test_both_flags_at_once_are_a_usage_error() -> None:
+    with pytest.raises(InvalidUsageError, match="at most one of --adopt-shard .* and --replace-contents .*found both") as e:
+        SinkDef("s", "t", "c", adopt_shard=True, replace_contents=True)
+    assert not isinstance(e.value, SinkBaselineRequiredError)
+
+
+def test_an_empty_collection_needs_neither_flag_even_with_its_upper_advanced() -> None:
+    catalog = _catalog_with_rows(0, upper=7)
+    catalog.create_sink(SinkDef("s", "t", "c"))
+    assert not catalog.state().sink("s").replace_contents
+
+
+def test_re_creating_a_sink_with_its_definition_is_a_no_op_once_its_collection_holds_rows() -> None:
+    store = MemoryObjectStore()
+    catalog = Catalog(store)
+    catalog.create_collection(CollectionDef("c", SCHEMA))
+    shard = Shard.create(store, "c", SCHEMA)
+    catalog.create_sink(SinkDef("s", "t", "c"))  # empty: no flag needed
+    shard.compare_and_append([({"k": 1}, 0, 1)], 0, 1)  # the sink wrote a row
+    seq = catalog.state().seqno
+    catalog.create_sink(SinkDef("s", "t", "c"))
+    assert catalog.state().seqno == seq
+    with pytest.raises(SinkBaselineRequiredError):  # another sink on it must say
+        catalog.create_sink(SinkDef("s2", "t", "c"))
+
+
+def test_adopting_a_sink_created_with_replace_contents_leaves_only_adopt_shard() -> None:
+    catalog = _catalog_with_rows(2)
+    catalog.create_sink(SinkDef("s", "t", "c", replace_contents=True))
+    catalog.adopt_shard("s")
+    sink = catalog.state().sink("s")
+    assert (sink.adopt_shard, sink.replace_contents) == (True, False)
+
+
+def test_a_sink_written_before_replace_contents_existed_decodes_without_it() -> None:
+    old = {"sink_id": "s", "desired_topic": "t", "collection_id": "c", "as_of": 0, "read_only": False,
+           "dropped": False, "epoch": 1, "adopt_shard": False}
+    assert SinkDef.from_json(old) == SinkDef("s", "t", "c", epoch=1)

@@ -97,6 +97,8 @@ EXAMPLES: dict[str, list[Any]] = {
                     "as_of": None,
                     "read_only": True,
                     "options": {"kafka.security.protocol": "SASL_SSL"},
+                    "adopt_shard": False,
+                    "replace_contents": True,
                 },
             ),
         },
