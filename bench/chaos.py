@@ -15,7 +15,15 @@ What runs (all on one embedded stack, Tansu + moto):
   pause; a process that exits by itself is restarted too and counted);
 - injected faults in every service (``SHARDSINK_FAULTS``, see services/runtime/settings.py): S3
   errors, timeouts, PUTs that land and report a timeout, latency, and control-message
-  delivery errors (dropped, or delivered but reported failed).
+  delivery errors (dropped, or delivered but reported failed);
+- network faults, after the kills: the stack's broker and S3 server sit behind loopback fault
+  proxies (``EmbeddedStack(net_faults=True)``, shared/devstack/netfault.py) that every service
+  reaches them through; each fault (a partition: connects refused and connections reset; a
+  black hole: nothing forwarded; latency with jitter) lasts a few seconds, then heals, and the
+  seconds from the heal to the next move of the shard's upper are measured
+  (``network_faults``, ``heal_to_upper_p50_s``, ``heal_to_upper_max_s`` in the summary). The
+  checker reads S3 directly; the workload's producer reaches the broker through its proxy too
+  (the broker advertises one address), so a Kafka partition holds it as well.
 
 The history checker records every shard state object (``shards/<id>/state/<n>``) as the run
 goes (the services run with a 1-day GC grace so none disappears), and every message of the
@@ -34,8 +42,8 @@ subscribe output, then checks:
 The last stdout line is one JSON summary; the exit code is 1 on any divergence (and 2 if the
 run could not finish, e.g. the sink never converged).
 
-    python bench/chaos.py              # full: >= 100 kills (about 20 minutes on 2 cores)
-    python bench/chaos.py --quick      # a few kills, combined layout (a few minutes)
+    python bench/chaos.py              # full: >= 100 kills, 12 network faults (about 25 minutes on 2 cores)
+    python bench/chaos.py --quick      # a few kills and 3 network faults, combined layout (a few minutes)
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -61,6 +70,11 @@ sys.path.insert(0, str(REPO))
 
 DEFAULT_FAULTS = "error_p=0.01,timeout_p=0.005,lost_ack_p=0.01,latency_ms=5,kafka_error_p=0.005,kafka_lost_ack_p=0.005"
 STEP_TIMES = 10
+#: The network faults of a campaign, in this order, repeated: (fault, path).
+NETWORK_FAULTS = (("partition", "s3"), ("partition", "kafka"), ("blackhole", "kafka"), ("blackhole", "s3"),
+                  ("latency", "s3"), ("latency", "kafka"))
+#: A latency fault's delay per chunk, and its jitter (ms).
+LATENCY_MS, LATENCY_JITTER_MS = 80.0, 60.0
 Row = tuple[int, str]
 
 
@@ -159,6 +173,17 @@ class Workload:
             return self.frontier
 
 
+def network_plan(n: int, quick: bool, rng: random.Random) -> list[tuple[str, str, float]]:
+    """``n`` network faults ``(fault, path, seconds)``: :data:`NETWORK_FAULTS` in turn, 10 s
+    each (8 s for a black hole) in a quick run, 5-20 s at random in a full one."""
+    plan = []
+    for i in range(n):
+        fault, path = NETWORK_FAULTS[i % len(NETWORK_FAULTS)]
+        seconds = (8.0 if fault == "blackhole" else 10.0) if quick else round(rng.uniform(5.0, 20.0), 1)
+        plan.append((fault, path, seconds))
+    return plan
+
+
 def model_at(sent: list[tuple[Row, int, int]], as_of: int) -> Counter[Row]:
     c: Counter[Row] = Counter()
     for r, t, d in sent:
@@ -217,6 +242,8 @@ class StateRecorder:
         self.states: dict[int, Any] = {}
         self.missing: set[int] = set()
         self.errors = 0
+        #: (monotonic seconds, upper) when a poll first saw each higher upper
+        self.reached: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="state-recorder", daemon=True)
 
@@ -236,10 +263,17 @@ class StateRecorder:
                 self.states[n] = ShardState.decode(self.shard.store.get(self.shard.state_key(n)))
             except ObjectNotFoundError:
                 self.missing.add(n)
-        return int(head.upper.time or 0)
+        upper = int(head.upper.time or 0)
+        if not self.reached or upper > self.reached[-1][1]:
+            self.reached.append((time.monotonic(), upper))
+        return upper
 
     def upper(self) -> int:
         return int(self.states[max(self.states)].upper.time or 0) if self.states else 0
+
+    def when(self, upper: int) -> float | None:
+        """When a poll first saw the upper at ``upper`` or beyond (monotonic seconds)."""
+        return next((t for t, u in self.reached if u >= upper), None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -267,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch-after", type=int, help="allow writes on the read-only replica after this many kills (default kills // 3)")
     ap.add_argument("--work-dir", help="logs and checkpoints (default a new /tmp dir)")
     ap.add_argument("--trigger-ms", type=int, default=500, help="micro-batch trigger of the services (SHARDSINK_TRIGGER_MS; default 500)")
+    ap.add_argument("--network-faults", type=int, help="network faults after the kills (default 12, quick 3; 0: none, and no proxies)")
     args = ap.parse_args(argv)
     # SIGTERM (e.g. a timeout) unwinds like an exception: the services and the stack are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -274,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     layout = args.layout or ("combined" if args.quick else "separate")
     switch_after = args.switch_after if args.switch_after is not None else max(1, kills_wanted // 3)
     per_step = 40 if args.quick else 100
+    net_wanted = args.network_faults if args.network_faults is not None else (3 if args.quick else 12)
     work = Path(args.work_dir or f"/tmp/shardsink-chaos-{uuid.uuid4().hex[:8]}")
     (work / "logs").mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    log(f"seed {args.seed}, {kills_wanted} kills, layout {layout}, faults {args.faults!r}, work dir {work}")
+    log(f"seed {args.seed}, {kills_wanted} kills, {net_wanted} network faults, layout {layout}, faults {args.faults!r}, work dir {work}")
 
     from shardsink.cli.catalog import create_collection
     from services.runtime.settings import ServiceSettings
@@ -293,11 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"seed": args.seed, "layout": layout, "faults": args.faults, "quick": args.quick}
     divergences: list[str] = []
     t_run = time.monotonic()
-    with EmbeddedStack() as stack:
+    with EmbeddedStack(net_faults=net_wanted > 0) as stack:
         run = uuid.uuid4().hex[:6]
         base_env = {
             **os.environ,
-            **stack.env(),
+            **stack.env(direct_s3=True),  # the checker's S3 path is never faulted
             "PYSPARK_PYTHON": sys.executable,
             "PYSPARK_DRIVER_PYTHON": sys.executable,
             "SHARDSINK_CHECKPOINT_DIR": str(work / "checkpoints"),
@@ -311,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         # On a loaded machine Spark's Python workers can take longer than the default 15 s
         # to connect back; a failed query is restarted, but a storm of them stalls the run.
         base_env.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.python.authenticate.socketTimeout=120s pyspark-shell")
-        svc_env = {**base_env, "SHARDSINK_FAULTS": args.faults}
+        svc_env = {**base_env, **stack.env(), "SHARDSINK_FAULTS": args.faults}  # through the proxies
         clean = ServiceSettings.from_env_and_args(None, base_env)  # the checker's view: no faults
         collection, topic = f"chaos-{run}", f"desired-chaos-{run}"
         sink_a, sink_b = f"chaos-{run}-a", f"chaos-{run}-b"
@@ -371,7 +407,36 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             return True
 
+        def network_fault(fault: str, path: str, seconds: float) -> dict[str, Any]:
+            """Inflict ``fault`` on the path to ``path`` for ``seconds``, heal it, and time the
+            sink's resumption: from the heal to the first upper beyond the one at the heal."""
+            proxy = stack.s3_proxy if path == "s3" else stack.kafka_proxy
+            assert proxy is not None
+            exits_before = sum(restarts_by_self.values())
+            t0 = time.monotonic()
+            if fault == "partition":
+                proxy.partition()
+            elif fault == "blackhole":
+                proxy.blackhole()
+            else:
+                proxy.latency(LATENCY_MS, LATENCY_JITTER_MS)
+            while time.monotonic() - t0 < seconds:
+                reap()
+                time.sleep(0.1)
+            at_heal = recorder.reached[-1][1] if recorder.reached else 0
+            proxy.heal()
+            t_heal = time.monotonic()
+            if not wait_upper(at_heal + 1, 300, f"after healing the {fault} of {path}"):
+                raise TimeoutError(f"the sink did not resume within 300 s after healing the {fault} of {path}")
+            moved = recorder.when(at_heal + 1) or time.monotonic()
+            rec = {"fault": fault, "path": path, "seconds": round(t_heal - t0, 1), "upper_at_heal": at_heal,
+                   "heal_to_upper_s": round(max(0.0, moved - t_heal), 2),
+                   "exits": sum(restarts_by_self.values()) - exits_before}
+            log(f"network fault: {rec}")
+            return rec
+
         kills: list[dict[str, Any]] = []
+        net_faults: list[dict[str, Any]] = []
         switched_at: int | None = None
         producer_thread = threading.Thread(target=produce, name="workload", daemon=True)
         exit_code = 0
@@ -383,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             producer_thread.start()
             if not wait_upper(2 * STEP_TIMES, 600, "first appends"):
                 raise TimeoutError("the sink never started")
-            catalog.create_sink(SinkDef(sink_b, topic, collection, read_only=True))
+            # The shard holds a's rows by now; b reads the same topic, the whole truth.
+            catalog.create_sink(SinkDef(sink_b, topic, collection, read_only=True, replace_contents=True))
             log(f"in step (upper {recorder.upper()}); read-only replica {sink_b} created; starting the kills")
             # Every service is hit at least once; the rest at random.
             order = list(victims_pool)
@@ -417,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             if switched_at is None:
                 catalog.allow_writes(sink_b)
                 switched_at = recorder.upper()
+            for j, (fault, path, seconds) in enumerate(network_plan(net_wanted, args.quick, rng)):
+                wait_upper(workload.frontier, 300, f"progress before network fault {j}")
+                net_faults.append(network_fault(fault, path, seconds))
             # Converge: the last step's frontier, then the subscribe's.
             if not wait_upper(workload.frontier + STEP_TIMES, 900, "after the last kill"):
                 raise TimeoutError("the sink did not get back in step after the last kill")
@@ -469,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
             with contextlib.suppress(Exception):  # its client goes before the broker does
                 producer.close()
+        heals = sorted(f["heal_to_upper_s"] for f in net_faults)
         summary.update(
+            network_faults=net_faults,
+            heal_to_upper_p50_s=round(statistics.median(heals), 2) if heals else None,
+            heal_to_upper_max_s=heals[-1] if heals else None,
             kills=len(kills),
             kills_by_service=dict(Counter(k["victim"] for k in kills)),
             exits_by_service=dict(restarts_by_self),
@@ -492,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"DIVERGENCE: {d}")
     print(
         f"chaos: {'OK' if ok else 'FAILED'}: {summary['kills']} kills {summary['kills_by_service']}, "
+        f"{len(summary['network_faults'])} network faults (heal to upper: max {summary['heal_to_upper_max_s']} s), "
         f"{summary.get('appends', 0)} appends, {summary['updates']} updates, "
         f"{summary.get('subscribe_changes', 0)} subscribe changes, {len(divergences)} divergences",
         file=sys.stderr,
@@ -510,7 +584,7 @@ def description_lower(token: str | None) -> int | None:
 
 
 def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder: StateRecorder, workload: Workload,
-          final: int, msgs: list[dict[str, Any]], check_progress_order: Any, changes_of: Any, quick: bool) -> None:
+          final: int, msgs: list[dict[str, Any]] | None, check_progress_order: Any, changes_of: Any, quick: bool) -> None:
     """The history checker (see the module docstring); appends each divergence found."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -595,21 +669,25 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
             divergences.append(f"expected the shard at upper {u} to equal the model: {differ(snap, want)}")
     _ = (pa, pc, TIME, Frontier)
 
-    # 4. the subscribe output equals the model's change stream.
-    try:
-        check_progress_order(msgs)
-    except AssertionError as e:
-        divergences.append(f"expected the subscribe's progress statements in order, found {e}")
-    progressed = [m["time"] for m in msgs if m["progressed"] and m["time"] is not None]
-    last = max(progressed, default=0)
-    got_changes = Counter((t, r, d) for t, r, d in changes_of(msgs))
-    want_changes: Counter[Any] = Counter()
-    for r, d in model_at(sent, 0).items():
-        want_changes[(0, r, d)] += 1
-    for (r, t), d in model_between(sent, 1, last).items():
-        want_changes[(t, r, d)] += 1
-    if got_changes != want_changes:
-        divergences.append(f"expected the subscribe's output to equal the model's change stream up to {last}: {differ(got_changes, want_changes)}")
+    # 4. the subscribe output equals the model's change stream (when there is one: a run
+    #    without a subscribe passes ``msgs=None``).
+    got_changes: Counter[Any] = Counter()
+    last = 0
+    if msgs is not None:
+        try:
+            check_progress_order(msgs)
+        except AssertionError as e:
+            divergences.append(f"expected the subscribe's progress statements in order, found {e}")
+        progressed = [m["time"] for m in msgs if m["progressed"] and m["time"] is not None]
+        last = max(progressed, default=0)
+        got_changes = Counter((t, r, d) for t, r, d in changes_of(msgs))
+        want_changes: Counter[Any] = Counter()
+        for r, d in model_at(sent, 0).items():
+            want_changes[(0, r, d)] += 1
+        for (r, t), d in model_between(sent, 1, last).items():
+            want_changes[(t, r, d)] += 1
+        if got_changes != want_changes:
+            divergences.append(f"expected the subscribe's output to equal the model's change stream up to {last}: {differ(got_changes, want_changes)}")
 
     # An append's token is its batch description's: "<sink id>:<epoch>:<lower>[:<nonce>]".
     writers = Counter(t.split(":", 1)[0] for t in tokens)
@@ -619,7 +697,7 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
         uppers_checked=len(picked),
         final_upper=final,
         rows=sum(model_at(sent, final - 1).values()),
-        subscribe_messages=len(msgs),
+        subscribe_messages=len(msgs or []),
         subscribe_changes=sum(got_changes.values()),
         subscribe_last_progress=last,
         appends_by=dict(writers),

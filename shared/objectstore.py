@@ -112,25 +112,40 @@ class RetryingObjectStore:
       looks for its token).
 
     Other errors (not found, precondition failed, ...) are answers, never retried. The last
-    error is raised when ``attempts`` are used up.
+    error is raised when ``attempts`` are used up and, with ``budget_s``, that much time has
+    passed since the first failure: an outage of the store (a network partition, a restarting
+    server) shorter than the budget then holds the call, retried every ``max_backoff_s`` at
+    most, and it goes on soon after the store answers again, instead of failing a micro-batch
+    whose query would take far longer to restart.
     """
 
     inner: ObjectStore
     attempts: int = 4
     backoff_s: float = 0.05
+    #: Retry for at least this long (seconds since the first failure), beyond ``attempts``.
+    budget_s: float = 0.0
+    max_backoff_s: float = 1.0
     retried: int = 0
     _rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
 
     def _call(self, fn: Callable[[], object], transient: tuple[type[BaseException], ...]) -> object:
-        for attempt in range(self.attempts):
+        failures = 0
+        first = 0.0
+        while True:
             try:
                 return fn()
             except transient:
-                if attempt == self.attempts - 1:
+                failures += 1
+                now = self.clock()
+                if failures == 1:
+                    first = now
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1)) * (0.5 + self._rng.random())
+                if failures >= self.attempts and now + delay - first > self.budget_s:
                     raise
                 self.retried += 1
-                time.sleep(self.backoff_s * (2**attempt) * (0.5 + self._rng.random()))
-        raise AssertionError("unreachable")  # pragma: no cover
+                self.sleep(delay)
 
     _ANY = (ObjectStoreError, IndeterminateError)
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
-from services.runtime.settings import ServiceSettings
+from services.runtime.settings import ServiceSettings, controller_default
 from services.controller.spark_jobs import SparkJobSettings
 from shared.catalog import CatalogState, CollectionDef
 from shared.codec import RowCodec
@@ -37,25 +37,25 @@ class ControllerSettings:
     """Controller settings (env / flags parsed once in ``__main__``)."""
 
     service: ServiceSettings
-    commands_topic: str = "commands"
-    responses_topic: str = "responses"
-    tick_ms: int = 50
+    commands_topic: str = controller_default("commands_topic")
+    responses_topic: str = controller_default("responses_topic")
+    tick_ms: int = controller_default("tick_ms")
     #: How long a peek at a time not yet readable waits before NotReadableYet.
-    peek_timeout_ms: int = 30_000
+    peek_timeout_ms: int = controller_default("peek_timeout_ms")
     #: Peek results up to this many encoded bytes are answered inline.
-    max_inline_bytes: int = 64 * 1024
+    max_inline_bytes: int = controller_default("max_inline_bytes")
     #: Bound of the command log (idempotent replay of command ids).
     log_max_entries: int = 1000
     #: Routine gc of live shards and of old catalog states.
-    gc_interval_ms: int = 30_000
+    gc_interval_ms: int = controller_default("gc_interval_ms")
     #: A dropped collection's objects are deleted after this long (0: at once).
-    reclaim_grace_ms: int = 0
+    reclaim_grace_ms: int = controller_default("reclaim_grace_ms")
     #: Commit the command offset when idle for this long.
     idle_commit_ms: int = 500
     #: A collection nobody waits on is refreshed (its shard head read: an S3 request) at least
     #: this often; one with a waiting peek or a running subscribe at every tick, and one whose
     #: appender announced a new upper on ``frontiers`` at the next tick.
-    head_refresh_ms: int = 1000
+    head_refresh_ms: int = controller_default("head_refresh_ms")
     #: Data-heavy work as Spark jobs (services/controller/spark_jobs.py); no master: none.
     spark: SparkJobSettings = SparkJobSettings()
 

@@ -56,6 +56,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from services.runtime.settings import controller_default
 from shared.frontier import Frontier
 from shared.io.s3 import S3ObjectStore, S3Settings
 from shared.shard import (
@@ -96,13 +97,13 @@ class SparkJobSettings:
     """Where and when the controller runs Spark jobs (parsed once in ``__main__``)."""
 
     #: The Spark master (None or '': everything in the controller's process).
-    master: str | None = None
+    master: str | None = controller_default("spark.master")
     #: Merges, peeks and snapshots reading at least this many bytes of parts run on Spark.
-    min_bytes: int = 64 * 1024 * 1024
+    min_bytes: int = controller_default("spark.min_bytes")
     #: gc of a shard with at least this many data objects sweeps on Spark.
-    gc_min_objects: int = 10_000
+    gc_min_objects: int = controller_default("spark.gc_min_objects")
     #: A job still running after this long is cancelled and the work done in-process.
-    timeout_ms: int = 600_000
+    timeout_ms: int = controller_default("spark.timeout_ms")
 
     def __post_init__(self) -> None:
         if self.min_bytes < 0 or self.gc_min_objects < 0 or self.timeout_ms <= 0:

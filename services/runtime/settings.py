@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.catalog import Catalog
+from shared.sink_shard import SinkShard
 from shared.io.kafka import KafkaSettings
 from shared.io.s3 import S3ObjectStore, S3Settings
 from shared.objectstore import RetryingObjectStore
@@ -73,6 +74,9 @@ class Setting:
     doc: str
     repeated: bool = False
     required: bool = False
+    #: Whose setting it is: ``service`` (a :class:`ServiceSettings` field) or ``controller``
+    #: (a field of the controller's settings, :func:`controller_values`).
+    owner: str = "service"
 
     @property
     def dest(self) -> str | None:
@@ -98,6 +102,11 @@ class Setting:
         if self.repeated:
             return tuple(args.get(self.dest or "") or ())
         return self.parse(self.text(args, env))
+
+
+def _controller(field: str, env: str, flag: str, default: str, parse: Callable[[str], Any], doc: str) -> Setting:
+    """A setting of the controller's own (:func:`controller_values`)."""
+    return Setting(field, env, flag, default, parse, doc, owner="controller")
 
 
 def _elsewhere(env: str, doc: str) -> Setting:
@@ -133,8 +142,6 @@ SETTINGS: tuple[Setting, ...] = (
             "written-batch reports topic"),
     Setting("frontiers_topic",               "SHARDSINK_TOPIC_FRONTIERS",         "--frontiers-topic",         "frontiers", str,
             "shard upper advances topic"),
-    _elsewhere("SHARDSINK_TOPIC_COMMANDS", "controller commands topic"),
-    _elsewhere("SHARDSINK_TOPIC_RESPONSES", "controller responses topic"),
     # -- the sink services ----------------------------------------------------------------------------------
     Setting("checkpoint_dir",                "SHARDSINK_CHECKPOINT_DIR",          "--checkpoint-dir",          "/tmp/shardsink-checkpoints", str,
             "Spark checkpoint root"),
@@ -154,29 +161,51 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quarantine_after",              "SHARDSINK_QUARANTINE_AFTER",        "--quarantine-after",        "3", int,
             "failures of one write micro-batch before its input is quarantined (its updates become error rows); "
             "0: never (retried forever, with backoff)"),
+    Setting("s3_retry_ms",                   "SHARDSINK_S3_RETRY_MS",             "--s3-retry-ms",             "60000", int,
+            "an S3 call that failed transiently (refused, reset, timed out) is retried for this long (ms), at most 1 s "
+            "apart, before its micro-batch or command fails: an S3 outage shorter than this holds the work, which "
+            "goes on once S3 answers; 0: 4 attempts"),
     Setting("only_sinks",                    None,                                "--sink",                    "", str,
             "serve only this sink (repeatable; none: every sink of the catalog)", repeated=True),
+    Setting("sink_shard",                    "SHARDSINK_SINK_SHARD",              "--sink-shard",              "0/1", SinkShard.parse,
+            "i/n: this instance serves the sinks whose stable hash of the id is i modulo n (n instances split "
+            "the sinks with no overlap and no gap, see docs/scaling.md); 0/1: every sink"),
     _elsewhere("SHARDSINK_SPARK_KAFKA_CONNECTOR", "shardsink (default) or builtin (spark-sql-kafka jar)"),
     # -- test only ------------------------------------------------------------------------------------------
     Setting("faults",                        "SHARDSINK_FAULTS",                  None,                        "", _faults,
             "test only: S3 and Kafka producer faults to inject (bench/chaos.py); never in a deployment"),
     Setting("simulated_low_watermarks_file", "SHARDSINK_TEST_LOW_WATERMARKS_FILE", None,                       "", _text_or_none,
-            "test only: a JSON file of simulated low watermarks (retention, see shared/spark/kafka.py)"),
+            "test only: a JSON file of simulated low watermarks (retention, see shared/spark/kafka_source.py)"),
     Setting("test_fail_on_row",              "SHARDSINK_TEST_FAIL_ON_ROW",        None,                        "", _text_or_none,
             "test only: the write step fails on desired rows whose bytes hold this text"),
-    # -- the controller (parsed in services/controller/__main__.py) -----------------------------------------
-    _elsewhere("SHARDSINK_CONTROLLER_TICK_MS", "the controller's tick interval"),
-    _elsewhere("SHARDSINK_CONTROLLER_HEAD_REFRESH_MS", "a collection nobody waits on has its shard head read at "
-               "least this often (announced uppers and waiting readers are read at the next tick)"),
-    _elsewhere("SHARDSINK_PEEK_TIMEOUT_MS", "how long a peek waits for its as-of to become readable"),
-    _elsewhere("SHARDSINK_PEEK_MAX_INLINE_BYTES", "peek results larger than this are answered as S3 objects"),
-    _elsewhere("SHARDSINK_RECLAIM_GRACE_MS", "how long a dropped collection's storage is kept"),
-    _elsewhere("SHARDSINK_GC_INTERVAL_MS", "how often the controller collects garbage"),
-    _elsewhere("SHARDSINK_CONTROLLER_SPARK_MASTER", "Spark master of the controller's data-heavy jobs (empty: in-process)"),
-    _elsewhere("SHARDSINK_CONTROLLER_SPARK_MIN_BYTES", "parts read by a merge, peek or snapshot before it runs on Spark"),
-    _elsewhere("SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS", "data objects of a shard before its gc sweep runs on Spark"),
-    _elsewhere("SHARDSINK_CONTROLLER_SPARK_TIMEOUT_MS", "a controller Spark job running longer is cancelled and done "
-               "in-process"),
+    # -- the controller (services/controller/__main__.py: controller_values) ------------------------------
+    *(_controller(*row) for row in (
+        ("commands_topic",       "SHARDSINK_TOPIC_COMMANDS",                  "--commands-topic",       "commands", str,
+         "controller commands topic"),
+        ("responses_topic",      "SHARDSINK_TOPIC_RESPONSES",                 "--responses-topic",      "responses", str,
+         "controller responses topic"),
+        ("tick_ms",              "SHARDSINK_CONTROLLER_TICK_MS",              "--tick-ms",              "50", int,
+         "the controller's tick interval (ms)"),
+        ("head_refresh_ms",      "SHARDSINK_CONTROLLER_HEAD_REFRESH_MS",      "--head-refresh-ms",      "1000", int,
+         "a collection nobody waits on has its shard head read at least this often (ms; announced uppers and "
+         "waiting readers are read at the next tick)"),
+        ("peek_timeout_ms",      "SHARDSINK_PEEK_TIMEOUT_MS",                 "--peek-timeout-ms",      "30000", int,
+         "how long a peek waits for its as-of to become readable (ms)"),
+        ("max_inline_bytes",     "SHARDSINK_PEEK_MAX_INLINE_BYTES",           "--max-inline-bytes",     "65536", int,
+         "peek results larger than this are answered as S3 objects"),
+        ("reclaim_grace_ms",     "SHARDSINK_RECLAIM_GRACE_MS",                "--reclaim-grace-ms",     "0", int,
+         "how long a dropped collection's storage is kept (ms)"),
+        ("gc_interval_ms",       "SHARDSINK_GC_INTERVAL_MS",                  "--gc-interval-ms",       "30000", int,
+         "how often the controller collects garbage (ms)"),
+        ("spark.master",         "SHARDSINK_CONTROLLER_SPARK_MASTER",         "--spark-master",         "", _text_or_none,
+         "Spark master of the controller's data-heavy jobs (empty: in-process; not SHARDSINK_SPARK_MASTER)"),
+        ("spark.min_bytes",      "SHARDSINK_CONTROLLER_SPARK_MIN_BYTES",      "--spark-min-bytes",      "67108864", int,
+         "parts read by a merge, peek or snapshot before it runs on Spark"),
+        ("spark.gc_min_objects", "SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS", "--spark-gc-min-objects", "10000", int,
+         "data objects of a shard before its gc sweep runs on Spark"),
+        ("spark.timeout_ms",     "SHARDSINK_CONTROLLER_SPARK_TIMEOUT_MS",     "--spark-timeout-ms",     "600000", int,
+         "a controller Spark job running longer is cancelled and done in-process (ms)"),
+    )),
     # -- the drivers' JVM (services/runtime/jvm.py) ---------------------------------------------------------
     _elsewhere("SHARDSINK_SPARK_CDS", "on (default) or off: the drivers' JVM class-data archive"),
     _elsewhere("SHARDSINK_DRIVER_JIT", "c1 (default) or tiered: the drivers' JIT"),
@@ -210,7 +239,8 @@ ENV_PREFIXES: tuple[str, ...] = (
 #: Variables a deployment must set.
 REQUIRED_ENV: tuple[str, ...] = tuple(s.env for s in SETTINGS if s.required and s.env is not None)
 
-_BY_FIELD: dict[str, Setting] = {s.field: s for s in SETTINGS if s.field is not None}
+_BY_FIELD: dict[str, Setting] = {s.field: s for s in SETTINGS if s.field is not None and s.owner == "service"}
+_CONTROLLER: dict[str, Setting] = {s.field: s for s in SETTINGS if s.field is not None and s.owner == "controller"}
 
 
 def is_known_env(name: str) -> bool:
@@ -239,11 +269,13 @@ class ServiceSettings:
     spark_master: str = _default("spark_master")
     grace_ms: int = _default("grace_ms")
     only_sinks: tuple[str, ...] = _default("only_sinks")
+    sink_shard: SinkShard = _default("sink_shard")
     faults: Faults | None = _default("faults")
     max_records_per_trigger: int = _default("max_records_per_trigger")
     simulated_low_watermarks_file: str | None = _default("simulated_low_watermarks_file")
     quarantine_after: int = _default("quarantine_after")
     test_fail_on_row: str | None = _default("test_fail_on_row")
+    s3_retry_ms: int = _default("s3_retry_ms")
 
     def __post_init__(self) -> None:
         if self.trigger_ms < 0 or self.catalog_poll_ms <= 0 or self.source_wait_ms < 0:
@@ -251,12 +283,14 @@ class ServiceSettings:
                 f"expected trigger_ms >= 0, source_wait_ms >= 0 and catalog_poll_ms > 0, found "
                 f"{self.trigger_ms}, {self.source_wait_ms}, {self.catalog_poll_ms}"
             )
+        if self.s3_retry_ms < 0:
+            raise ValueError(f"expected s3_retry_ms >= 0, found {self.s3_retry_ms}")
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
         """One flag per row of :data:`SETTINGS` that has one, its help naming the variable."""
         for s in SETTINGS:
-            if s.flag is None:
+            if s.flag is None or s.owner != "service":
                 continue
             if s.repeated:
                 p.add_argument(s.flag, action="append", default=[], help=_help(s))
@@ -280,16 +314,22 @@ class ServiceSettings:
         kafka = KafkaSettings.from_env({**e, **nested})
         return ServiceSettings(kafka, s3, **own)
 
+    def serves(self, sink_id: str) -> bool:
+        """Whether this instance serves ``sink_id``: its share of the sinks
+        (:attr:`sink_shard`), narrowed to :attr:`only_sinks` when that names any."""
+        return self.sink_shard.owns(sink_id) and (not self.only_sinks or sink_id in self.only_sinks)
+
     # -- clients ---------------------------------------------------------------------------
     def store(self) -> S3ObjectStore:
         """One S3 client per settings and process (boto3 clients are thread-safe and costly
         to build: building one per call dominated the services' CPU profile), behind a
         :class:`shared.objectstore.RetryingObjectStore` (a transient error of an idempotent
-        call is retried instead of failing the micro-batch or command)."""
+        call is retried instead of failing the micro-batch or command, for up to
+        ``s3_retry_ms``)."""
         store: Any = _s3_store(self.s3)
         if self.faults is not None:
             store = self.faults.wrap_store(store)
-        return RetryingObjectStore(store)  # type: ignore[return-value]
+        return RetryingObjectStore(store, budget_s=self.s3_retry_ms / 1000.0)  # type: ignore[return-value]
 
     def catalog(self) -> Catalog:
         return Catalog(self.store())
@@ -330,3 +370,22 @@ def markdown_table() -> str:
         doc = s.doc + ("; a deployment must set it" if s.required else "")
         lines.append(f"| {var} | {flag} | {default} | {cell(doc)} |")
     return "\n".join(lines) + "\n"
+
+
+def controller_default(field: str) -> Any:
+    """A controller setting's default (``spark.X``: of its Spark jobs), from :data:`SETTINGS`."""
+    return _CONTROLLER[field].default_value
+
+
+def add_controller_arguments(p: argparse.ArgumentParser) -> None:
+    """The controller's own flags (beside :meth:`ServiceSettings.add_arguments`)."""
+    for s in _CONTROLLER.values():
+        assert s.flag is not None
+        p.add_argument(s.flag, type=int if s.parse is int else str, help=_help(s))
+
+
+def controller_values(args: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Field -> value of every controller setting (flag, else variable, else default);
+    ``spark.X`` are the fields of the controller's Spark job settings."""
+    e = os.environ if env is None else env
+    return {field: s.value(args, e) for field, s in _CONTROLLER.items()}

@@ -70,7 +70,7 @@ class Supervisor:
         sink_id, epoch = owner
         if epoch < 0:
             return False  # a fresh-per-start checkpoint of an older version
-        if self.settings.only_sinks and sink_id not in self.settings.only_sinks:
+        if not self.settings.serves(sink_id):
             return True  # another instance's sink
         sink = live.get(sink_id)
         return sink is not None and sink.epoch == epoch  # else dropped, or an older epoch
@@ -80,11 +80,7 @@ class Supervisor:
             self._catalog = self.settings.catalog()
         catalog = self._catalog
         live = {s.sink_id: s for s in catalog.state().live_sinks()}
-        wanted = {
-            sid: s
-            for sid, s in live.items()
-            if not self.settings.only_sinks or sid in self.settings.only_sinks
-        }
+        wanted = {sid: s for sid, s in live.items() if self.settings.serves(sid)}
         stopped = self._poll(wanted)
         if self.reap is not None and (stopped or not self._reaped):
             self._reaped = True

@@ -12,6 +12,13 @@ addresses as JSON and the environment variables the services read, and stops on 
 
 Both servers run as child processes so that they survive neither the parent (they are
 killed on exit, also when a test fails) nor compete with it for the GIL.
+
+``EmbeddedStack(net_faults=True)`` puts each server behind a fault proxy
+(:class:`shared.devstack.netfault.FaultProxy`, ``stack.kafka_proxy`` and ``stack.s3_proxy``)
+that can partition, black-hole or delay the path: the broker advertises its proxy's address,
+so every Kafka client goes through it after bootstrap (the broker's own port is only a
+bootstrap address), and ``env()`` points S3 clients at the S3 proxy (``env(direct_s3=True)``
+at the server itself, for observers that must not be cut off).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from shared.devstack.netfault import FaultProxy
 
 DEFAULT_BUCKET = "shardsink"
 #: Credentials moto accepts; real deployments take theirs from the environment.
@@ -105,6 +114,10 @@ class EmbeddedStack:
     kafka_port: int = 0
     s3_port: int = 0
     log_dir: Path | None = None
+    #: Both servers behind fault proxies (see the module docstring).
+    net_faults: bool = False
+    kafka_proxy: FaultProxy | None = field(default=None, repr=False)
+    s3_proxy: FaultProxy | None = field(default=None, repr=False)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
     _roles: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
     _tmp: str | None = field(default=None, repr=False)
@@ -112,17 +125,29 @@ class EmbeddedStack:
     # -- addresses -------------------------------------------------------------------------
     @property
     def bootstrap_servers(self) -> str:
+        """The address the broker advertises: its proxy's with ``net_faults``."""
+        if self.kafka_proxy is not None:
+            return self.kafka_proxy.address
         return f"127.0.0.1:{self.kafka_port}"
 
     @property
     def s3_endpoint(self) -> str:
+        """The S3 server itself (never through the proxy)."""
         return f"http://127.0.0.1:{self.s3_port}"
 
-    def env(self) -> dict[str, str]:
-        """The environment variables the services and the CLI read, pointing at this stack."""
+    @property
+    def s3_proxy_endpoint(self) -> str:
+        """The S3 server through its fault proxy (the server itself without ``net_faults``)."""
+        if self.s3_proxy is not None:
+            return f"http://{self.s3_proxy.address}"
+        return self.s3_endpoint
+
+    def env(self, *, direct_s3: bool = False) -> dict[str, str]:
+        """The environment variables the services and the CLI read, pointing at this stack
+        (through the proxies with ``net_faults``; S3 directly with ``direct_s3``)."""
         return {
             "SHARDSINK_KAFKA_BOOTSTRAP": self.bootstrap_servers,
-            "SHARDSINK_S3_ENDPOINT": self.s3_endpoint,
+            "SHARDSINK_S3_ENDPOINT": self.s3_endpoint if direct_s3 else self.s3_proxy_endpoint,
             "SHARDSINK_S3_BUCKET": self.bucket,
             "AWS_ACCESS_KEY_ID": EMBEDDED_ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": EMBEDDED_SECRET_KEY,
@@ -140,6 +165,9 @@ class EmbeddedStack:
         self.s3_port = self.s3_port or free_port()
         atexit.register(self.stop)
         try:
+            if self.net_faults:
+                self.s3_proxy = FaultProxy(self.s3_port, name="s3").start()
+                self.kafka_proxy = FaultProxy(self.kafka_port, name="kafka").start()
             self._start_s3(logs, timeout_s)
             self._start_kafka(logs, timeout_s)
         except BaseException:
@@ -201,7 +229,7 @@ class EmbeddedStack:
                 "--listener-url",
                 url,
                 "--advertised-listener-url",
-                url,
+                f"tcp://{self.bootstrap_servers}",
                 "--storage-engine",
                 "memory://tansu/",
             ],
@@ -232,6 +260,10 @@ class EmbeddedStack:
     def stop(self) -> None:
         procs, self._procs = self._procs, []
         self._roles = {}
+        proxies = [p for p in (self.kafka_proxy, self.s3_proxy) if p is not None]
+        self.kafka_proxy = self.s3_proxy = None
+        for proxy in proxies:
+            proxy.stop()
         for p in procs:
             if p.poll() is None:
                 try:

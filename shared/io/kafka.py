@@ -78,6 +78,10 @@ _ENV_OPTION_PREFIX = "OPTION_"
 
 #: librdkafka options that keep shutdown quiet (Tansu closes idle connections).
 _QUIET = {"log.connection.close": "false"}
+#: Once a broker is unreachable, librdkafka tries it again at most this far apart (its own
+#: default, 10 s, kept a client away from a broker that came back for up to 10 s after a
+#: network partition healed; the Java client's default is 1 s).
+_RECONNECT = {"reconnect.backoff.max.ms": "1000"}
 
 #: The most verbose librdkafka log level (syslog numbering) for clients created from now on;
 #: None: librdkafka's default. The CLI lowers it (see :func:`quiet_client_logs`).
@@ -175,7 +179,7 @@ class KafkaSettings:
     def config(self, **extra: Any) -> dict[str, Any]:
         """A confluent-kafka client config: defaults, then ``extra``, then the pass-through
         options (so that a user's option wins over our defaults)."""
-        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, **_QUIET}
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, **_QUIET, **_RECONNECT}
         if _CLIENT_LOG_LEVEL is not None:
             conf["log_level"] = _CLIENT_LOG_LEVEL
         conf.update(extra)
@@ -229,6 +233,9 @@ def translate(e: BaseException, what: str) -> KafkaAdapterError:
         if code in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
                     KafkaError._RESOLVE, KafkaError.BROKER_NOT_AVAILABLE,
                     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION):
+            return KafkaUnavailableError(msg, code=code)
+        if code == KafkaError._NOENT and "leader" in err.str().lower():
+            # ListOffsets with no broker reachable: "Failed to query partition leaders"
             return KafkaUnavailableError(msg, code=code)
         return KafkaAdapterError(msg, code=code)
     if isinstance(e, (ValueError, TypeError)):  # confluent_kafka's errors for bad configs

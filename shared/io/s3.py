@@ -9,6 +9,7 @@ are translated here, at the boundary, into the project's typed errors:
 | 409 ConditionalRequestConflict             | ConflictRetryError (re-read and retry)   |
 | 404 NoSuchKey                              | ObjectNotFoundError                      |
 | read timeout / connection closed after send| IndeterminateError                       |
+| (also a reset urllib3 lets through)        |                                          |
 | connect timeout / other client errors      | ObjectStoreError (determinate)            |
 
 Settings come from :class:`S3Settings` (environment variables ``SHARDSINK_S3_ENDPOINT``,
@@ -33,6 +34,7 @@ from botocore.exceptions import (
     EndpointConnectionError,
     ReadTimeoutError,
 )
+from urllib3.exceptions import HTTPError as URLLib3Error
 
 from shared.errors import (
     ConflictRetryError,
@@ -94,6 +96,12 @@ class S3Settings:
         )
 
 
+#: What a call of the client raises: botocore's errors, and the connection's that botocore lets
+#: through (a connection reset while it reads an error response's body, such as a 404's,
+#: reaches the caller as urllib3's ProtocolError).
+_CLIENT_ERRORS = (ClientError, BotoCoreError, URLLib3Error, ConnectionError)
+
+
 def _code(e: ClientError) -> tuple[str, int]:
     err = e.response.get("Error", {})
     status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -145,7 +153,7 @@ class S3ObjectStore:
             return ObjectStoreError(f"{op} {key!r}: {code or status}: {e}", key=key)
         if isinstance(e, (ConnectTimeoutError, EndpointConnectionError)):
             return ObjectStoreError(f"{op} {key!r}: could not connect: {e}", key=key)
-        if isinstance(e, (ReadTimeoutError, ConnectionClosedError)) and sent:
+        if isinstance(e, (ReadTimeoutError, ConnectionClosedError, URLLib3Error, ConnectionError)) and sent:
             return IndeterminateError(f"{op} {key!r}: outcome unknown: {e}", key=key)
         return ObjectStoreError(f"{op} {key!r}: {e}", key=key)
 
@@ -155,14 +163,14 @@ class S3ObjectStore:
             kw["IfNoneMatch"] = "*"
         try:
             self._client.put_object(**kw)
-        except (ClientError, BotoCoreError) as e:
+        except _CLIENT_ERRORS as e:
             raise self._translate(e, "put", key, sent=True) from e
 
     def get(self, key: str) -> bytes:
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._k(key))
             return bytes(resp["Body"].read())
-        except (ClientError, BotoCoreError) as e:
+        except _CLIENT_ERRORS as e:
             raise self._translate(e, "get", key, sent=False) from e
 
     def exists(self, key: str) -> bool:
@@ -174,13 +182,13 @@ class S3ObjectStore:
             if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise self._translate(e, "head", key, sent=False) from e
-        except BotoCoreError as e:
+        except (BotoCoreError, URLLib3Error, ConnectionError) as e:
             raise self._translate(e, "head", key, sent=False) from e
 
     def delete(self, key: str) -> None:
         try:
             self._client.delete_object(Bucket=self.bucket, Key=self._k(key))
-        except (ClientError, BotoCoreError) as e:
+        except _CLIENT_ERRORS as e:
             err = self._translate(e, "delete", key, sent=False)
             if not isinstance(err, ObjectNotFoundError):
                 raise err from e
@@ -193,7 +201,7 @@ class S3ObjectStore:
                     Bucket=self.bucket,
                     Delete={"Objects": [{"Key": self._k(k)} for k in chunk], "Quiet": True},
                 )
-            except (ClientError, BotoCoreError) as e:
+            except _CLIENT_ERRORS as e:
                 raise self._translate(e, "delete", chunk[0], sent=False) from e
             errors = resp.get("Errors") or []
             if errors:
@@ -215,5 +223,5 @@ class S3ObjectStore:
                         size=int(obj["Size"]),
                         last_modified_ms=int(obj["LastModified"].timestamp() * 1000),
                     )
-        except (ClientError, BotoCoreError) as e:
+        except _CLIENT_ERRORS as e:
             raise self._translate(e, "list", prefix, sent=False) from e

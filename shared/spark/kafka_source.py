@@ -94,9 +94,11 @@ from pyspark.sql.types import (
 )
 
 from shared.errors import (
+    KafkaAdapterError,
     KafkaConfigError,
     KafkaDataLossError,
     KafkaTimeoutError,
+    KafkaUnavailableError,
     UnknownTopicError,
 )
 from shared.io.kafka import KafkaSettings, OffsetProbe, new_consumer, translate
@@ -129,6 +131,8 @@ KAFKA_SCHEMA = StructType(
 #: How long a streaming source keeps a topic's partition list before it looks it up again:
 #: partitions added to a topic are read from their first offset within this time.
 PARTITIONS_TTL_S = 5.0
+#: While the brokers cannot be reached, ``latestOffset`` looks again this often at most.
+UNREACHABLE_PAUSE_S = 0.5
 
 
 def _parse_starting(value: str) -> str | Offsets:
@@ -299,9 +303,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None  # availableNow: do not read beyond this
         self._latest: Offsets | None = None
         self._partitions: dict[str, tuple[float, list[int]]] = {}
+        self._unreachable: KafkaAdapterError | None = None  # the error of the last look, if it failed
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {}}
+        return {"options": self.options, "_probe": None, "_target": None, "_latest": None, "_partitions": {}, "_unreachable": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -397,16 +402,26 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        """The end of the next micro-batch; ``start`` (none) while the brokers cannot be reached:
+        a network partition holds the query instead of failing it (a restart costs far more)."""
         s = offsets_from_json(start)
-        end = self.next_end(s, limit)
-        deadline = time.monotonic() + self.wait_budget()
-        # A record that ends a wait may still make no micro-batch (one a holding reader holds
-        # back): the look after it waits on, within the same budget.
-        while not pending(s, end):
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._p().await_records(self.watched(), left):
-                break
-            end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
+        try:
+            end = self.next_end(s, limit)
+            deadline = time.monotonic() + self.wait_budget()
+            # A record that ends a wait may still make no micro-batch (one a holding reader
+            # holds back): the look after it waits on, within the same budget.
+            while not pending(s, end):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._p().await_records(self.watched(), left):
+                    break
+                end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
+        except (KafkaUnavailableError, KafkaTimeoutError) as e:
+            if self._unreachable is None:
+                print(f"shardsink-kafka: brokers unreachable, no micro-batch until they answer: {e}", file=sys.stderr)
+            self._unreachable = e
+            time.sleep(UNREACHABLE_PAUSE_S)
+            return offsets_to_json(s)
+        self._unreachable = None
         return offsets_to_json(end)
 
     def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:

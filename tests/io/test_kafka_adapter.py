@@ -131,3 +131,21 @@ def test_bad_librdkafka_option_is_a_config_error(stack: EmbeddedStack) -> None:
         partitions_of(s, "anything")
 
 
+
+
+def test_unreachable_brokers_are_typed_as_unavailable_and_clients_reconnect_within_a_second() -> None:
+    """ListOffsets with no broker reachable (a network partition) fails with librdkafka's
+    _NOENT "No leaders found": a KafkaUnavailableError (transient), which the Kafka source
+    waits out. Clients try an unreachable broker again at most 1 s apart (librdkafka's default
+    of 10 s kept them away from a healed broker), unless the user sets it."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from shared.errors import KafkaAdapterError, KafkaUnavailableError
+    from shared.io.kafka import translate
+
+    noent = KafkaException(KafkaError(KafkaError._NOENT, "Failed to query partition leaders: No leaders found"))
+    assert isinstance(translate(noent, "listing offsets"), KafkaUnavailableError)
+    other = translate(KafkaException(KafkaError(KafkaError._NOENT, "no such entry")), "x")
+    assert isinstance(other, KafkaAdapterError) and not isinstance(other, KafkaUnavailableError)
+    assert KafkaSettings("b:9092").config()["reconnect.backoff.max.ms"] == "1000"
+    assert KafkaSettings.of("b:9092", {"reconnect.backoff.max.ms": "5000"}).config()["reconnect.backoff.max.ms"] == "5000"

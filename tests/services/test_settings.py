@@ -19,6 +19,7 @@ import pytest
 
 from services.runtime.settings import (
     ENV_VARS,
+    add_controller_arguments,
     REQUIRED_ENV,
     SETTINGS,
     ServiceSettings,
@@ -27,6 +28,7 @@ from services.runtime.settings import (
     markdown_table,
 )
 from shared.devstack.faults import Faults
+from shared.sink_shard import SinkShard
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -52,6 +54,8 @@ DEFAULTS: dict[str, Any] = {
     "simulated_low_watermarks_file": None,
     "quarantine_after": 3,
     "test_fail_on_row": None,
+    "s3_retry_ms": 60_000,
+    "sink_shard": SinkShard(0, 1),
 }
 
 #: field -> (variable, flag, text a user sets, the field's value then).
@@ -90,6 +94,8 @@ OVERRIDES: dict[str, tuple[str | None, str | None, str, Any]] = {
     ),
     "quarantine_after": ("SHARDSINK_QUARANTINE_AFTER", "--quarantine-after", "0", 0),
     "test_fail_on_row": ("SHARDSINK_TEST_FAIL_ON_ROW", None, "boom", "boom"),
+    "s3_retry_ms": ("SHARDSINK_S3_RETRY_MS", "--s3-retry-ms", "0", 0),
+    "sink_shard": ("SHARDSINK_SINK_SHARD", "--sink-shard", "1/2", SinkShard(1, 2)),
 }
 assert set(OVERRIDES) == set(DEFAULTS)
 
@@ -109,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def test_every_field_of_the_settings_has_one_row_of_the_table() -> None:
-    fields = [s.field for s in SETTINGS if s.field is not None]
+    fields = [s.field for s in SETTINGS if s.field is not None and s.owner == "service"]
     assert len(fields) == len(set(fields)), fields
     own = {f.name for f in dataclasses.fields(ServiceSettings)} - {"kafka", "s3"}
     assert {f for f in fields if "." not in f} == own
@@ -152,14 +158,14 @@ def test_each_variable_sets_its_field(field: str) -> None:
 def test_each_flag_sets_its_field_and_beats_its_variable(field: str) -> None:
     env, flag, text, expected = OVERRIDES[field]
     assert flag is not None
-    env_text = "1" if isinstance(expected, int) else "from-the-environment"
+    env_text = "1" if isinstance(expected, int) else "2/3" if isinstance(expected, SinkShard) else "from-the-environment"
     environment = {env: env_text} if env is not None else {}
     settings = ServiceSettings.from_env_and_args(parser().parse_args([flag, text]), environment)
     assert get(settings, field) == expected
     # An empty flag counts as not given: the variable wins (an int flag refuses "").
     if env is not None and not isinstance(expected, int):
         empty = ServiceSettings.from_env_and_args(parser().parse_args([flag, ""]), environment)
-        assert get(empty, field) == env_text
+        assert get(empty, field) == (SinkShard.parse(env_text) if isinstance(expected, SinkShard) else env_text)
 
 
 def test_the_flags_are_the_services_flags_each_naming_its_variable_and_default() -> None:
@@ -180,7 +186,9 @@ def test_the_flags_are_the_services_flags_each_naming_its_variable_and_default()
         "--grace-ms",
         "--max-records-per-trigger",
         "--quarantine-after",
+        "--s3-retry-ms",
         "--sink",
+        "--sink-shard",
     }
     by_flag = {s.flag: s for s in SETTINGS if s.flag}
     for flag, action in actions.items():
@@ -240,3 +248,49 @@ def test_operations_md_lists_every_setting_with_its_default() -> None:
         "docs/operations.md's configuration table differs from services.runtime.settings.SETTINGS; "
         "replace it with the output of services.runtime.settings.markdown_table()"
     )
+
+
+#: The controller's own settings: field -> (variable, flag, default value, text a user sets,
+#: the field's value then).
+CONTROLLER: dict[str, tuple[str, str, Any, str, Any]] = {
+    "commands_topic": ("SHARDSINK_TOPIC_COMMANDS", "--commands-topic", "commands", "cmd2", "cmd2"),
+    "responses_topic": ("SHARDSINK_TOPIC_RESPONSES", "--responses-topic", "responses", "rsp2", "rsp2"),
+    "tick_ms": ("SHARDSINK_CONTROLLER_TICK_MS", "--tick-ms", 50, "7", 7),
+    "head_refresh_ms": ("SHARDSINK_CONTROLLER_HEAD_REFRESH_MS", "--head-refresh-ms", 1000, "0", 0),
+    "peek_timeout_ms": ("SHARDSINK_PEEK_TIMEOUT_MS", "--peek-timeout-ms", 30_000, "5", 5),
+    "max_inline_bytes": ("SHARDSINK_PEEK_MAX_INLINE_BYTES", "--max-inline-bytes", 65_536, "10", 10),
+    "reclaim_grace_ms": ("SHARDSINK_RECLAIM_GRACE_MS", "--reclaim-grace-ms", 0, "99", 99),
+    "gc_interval_ms": ("SHARDSINK_GC_INTERVAL_MS", "--gc-interval-ms", 30_000, "11", 11),
+    "spark.master": ("SHARDSINK_CONTROLLER_SPARK_MASTER", "--spark-master", None, "spark://m:7077", "spark://m:7077"),
+    "spark.min_bytes": ("SHARDSINK_CONTROLLER_SPARK_MIN_BYTES", "--spark-min-bytes", 64 * 1024 * 1024, "12", 12),
+    "spark.gc_min_objects": ("SHARDSINK_CONTROLLER_SPARK_GC_MIN_OBJECTS", "--spark-gc-min-objects", 10_000, "13", 13),
+    "spark.timeout_ms": ("SHARDSINK_CONTROLLER_SPARK_TIMEOUT_MS", "--spark-timeout-ms", 600_000, "14", 14),
+}
+
+
+def controller_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    ServiceSettings.add_arguments(p)
+    add_controller_arguments(p)
+    return p
+
+
+def controller_field(settings: Any, field: str) -> Any:
+    return getattr(settings.spark, field[6:]) if field.startswith("spark.") else getattr(settings, field)
+
+
+def test_the_controller_reads_its_settings_from_the_one_table() -> None:
+    """Defaults (also the dataclasses' own), each variable, each flag beating its variable."""
+    from services.controller.__main__ import settings_from
+    from services.controller.model import ControllerSettings
+
+    assert {s.field for s in SETTINGS if s.owner == "controller"} == set(CONTROLLER)
+    defaults = settings_from(controller_parser().parse_args([]), {})
+    bare = ControllerSettings(defaults.service)
+    for field, (env, flag, default, text, value) in CONTROLLER.items():
+        assert controller_field(defaults, field) == default == controller_field(bare, field), field
+        from_env = settings_from(controller_parser().parse_args([]), {env: text})
+        assert controller_field(from_env, field) == value, field
+        from_flag = settings_from(controller_parser().parse_args([flag, text]), {env: "1"})
+        assert controller_field(from_flag, field) == value, field
+        assert env in ENV_VARS and flag in _configuration_rows()[env][0]

@@ -110,3 +110,39 @@ def test_other_attributes_are_the_wrapped_stores() -> None:
     s = Scripted([])
     s.client = "boto3-client"  # type: ignore[attr-defined]
     assert _store(s).client == "boto3-client"
+
+
+def test_with_a_budget_an_outage_shorter_than_it_is_waited_out_with_capped_backoff() -> None:
+    """A store that refuses for 12 s (a network partition): with a 30 s budget the call is
+    held and answers once the store does, no retry more than ``max_backoff_s`` apart; an
+    outage longer than the budget fails after it."""
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        now[0] += s
+
+    class Down(Scripted):
+        def __init__(self, until: float) -> None:
+            super().__init__([])
+            self.until = until
+
+        def get(self, key: str) -> bytes:
+            self.calls += 1
+            if now[0] < self.until:
+                raise ObjectStoreError("connection refused")
+            return self.inner.get(key)
+
+    s = Down(until=12.0)
+    s.inner.put("k", b"v")
+    r = RetryingObjectStore(s, budget_s=30.0, max_backoff_s=1.0, clock=lambda: now[0], sleep=sleep)  # type: ignore[arg-type]
+    assert r.get("k") == b"v"
+    assert 12.0 <= now[0] <= 13.5 and max(sleeps) <= 1.5  # 1.0 with up to +50 % jitter
+    long = Down(until=100.0)
+    now[0] = 0.0
+    r = RetryingObjectStore(long, budget_s=30.0, clock=lambda: now[0], sleep=sleep)  # type: ignore[arg-type]
+    with pytest.raises(ObjectStoreError):
+        r.get("k")
+    assert 28.5 <= now[0] <= 30.0
+

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -383,3 +384,36 @@ def test_the_source_looks_a_topics_partitions_up_again_after_the_ttl(monkeypatch
     clock[0] += kafka_source.PARTITIONS_TTL_S / 2
     assert r._parts("a") == [0, 1]
     assert asked == ["a", "b", "b", "a"]
+
+
+def test_latest_offset_holds_the_query_while_the_brokers_cannot_be_reached(monkeypatch: Any) -> None:
+    """Issue 32: a ``latestOffset`` whose look at the brokers fails because they cannot be
+    reached (a network partition) or time out answers its start (no micro-batch) after a short
+    pause, instead of failing the query; the next look after the heal answers the new end. A
+    refused configuration still fails."""
+    from shared.errors import KafkaConfigError, KafkaTimeoutError, KafkaUnavailableError
+    from shared.spark import kafka_source
+    from shared.spark.kafka_connector import KafkaDataSource
+    from shared.io.kafka import OffsetProbe
+
+    monkeypatch.setattr(kafka_source, "UNREACHABLE_PAUSE_S", 0.0)
+    monkeypatch.setattr(OffsetProbe, "partitions_of", lambda self, topic: [0])
+    answer: list[Any] = [KafkaUnavailableError("listing offsets: No leaders found")]
+
+    def ends(self: OffsetProbe, tps: Any) -> dict[tuple[str, int], int]:
+        if isinstance(answer[0], Exception):
+            raise answer[0]
+        return {tp: answer[0] for tp in tps}
+
+    monkeypatch.setattr(OffsetProbe, "ends", ends)
+    r = stream_reader("127.0.0.1:9", ("shardsink-kafka", KafkaDataSource, {}), ["a"])
+    limit = r.getDefaultReadLimit()
+    start = {"a": {"0": 5}}
+    assert r.latestOffset(start, limit) == start
+    answer[0] = KafkaTimeoutError("expected end-of-partition within 30s")
+    assert r.latestOffset(start, limit) == start
+    answer[0] = 9  # healed
+    assert r.latestOffset(start, limit) == {"a": {"0": 9}}
+    answer[0] = KafkaConfigError("expected a valid client config")
+    with pytest.raises(KafkaConfigError):
+        r.latestOffset(start, limit)
