@@ -350,8 +350,8 @@ class FaultProxy:
                         await asyncio.sleep(wait)
                     await flowing.wait()
                     dst.write(data)
-                    await dst.drain()
                     self.counters.bytes_forwarded += len(data)
+                    await dst.drain()
             except (ConnectionError, OSError):
                 self._break(conn)
 
