@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export PYSPARK_PYTHON := $(abspath $(VPY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VPY))
 
-.PHONY: venv test test-fast up demo bench bench-shard bench-kafka bench-sink bench-controller bench-scale chaos lint typecheck clean
+.PHONY: venv test test-fast up demo bench bench-shard bench-kafka bench-sink bench-controller bench-scale bench-sinks chaos lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-sink: $(STAMP)
 ## make bench-scale: sink scale curves (writer partitions 1..8, update rate and collection size by 10x; last line: JSON)
 bench-scale: $(STAMP)
 	$(VPY) bench/bench_scale.py $(ARGS)
+
+## make bench-sinks: N sinks in one services application (ARGS='--sinks 1,10,100 --mode shared|per-sink'; --quick: 1,3): processes, RSS, CPU, freshness, start (last line: JSON)
+bench-sinks: $(STAMP)
+	$(VPY) bench/bench_sinks.py $(ARGS)
 
 ## make bench: every benchmark vs its baseline, results in bench/results/, plot, BENCHMARKS.md table (ARGS=--quick: smoke run)
 bench: $(STAMP)

@@ -54,6 +54,33 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   ``recovery_history_ratio`` their ratio: the restarted writer resumes from its checkpoint,
   so recovery depends on the state's size, not on the history's.
 
+- The delta-rs peer (issue 31; ``--no-deltalake`` leaves it out): after the sink's freshness
+  runs, a minimal Kafka-to-Delta loop (:func:`deltalake_worker`, a child process) reads the
+  same desired topic from its end at that moment with confluent-kafka, decodes each poll as the
+  sink does (the write service's ``DesiredDecoder``, the collection's ``ColumnCodec``) and
+  appends its updates with one ``deltalake.write_deltalake(..., mode="append")`` commit to a
+  Delta table on the same S3 server, exactly once: per partition a
+  ``Transaction(app_id, last offset)`` in the commit, checked against
+  ``transaction_version`` before it. The same bursts as the sink's give
+  ``deltalake_updates_per_s`` (its commit of the burst's last record, from the burst's first
+  produce; runs in ``deltalake_updates_per_s_runs``, CPU seconds ``deltalake_cpu_s``) and
+  ``sink_vs_deltalake`` = ``sink_updates_per_s`` / ``deltalake_updates_per_s``. The same
+  freshness steps as the sink's 10k/s run give ``deltalake_freshness_p50_s`` / ``_p99_s``: per
+  step, from ``advance_to`` returning until the commit after which the table holds every
+  update below that frontier (the commit of the poll that read the step's progress
+  statements in every partition); ``freshness_vs_deltalake`` =
+  ``deltalake_freshness_p50_s`` / ``freshness_p50_s``. The table is checked to hold every
+  update produced since the loop started, once (``deltalake_rows``).
+- ``snapshot_1m_vs_deltalake``: the same 1M inserts (100k with ``--quick``:
+  ``snapshot_rows``), appended in 4 commits to a collection's shard and to a Delta table on
+  the same S3 server, read whole (best of 3, opening included): ours with the read API,
+  ``open_collection(...).snapshot()`` (consolidated and sorted by row; ``snapshot_1m_s``),
+  delta-rs with ``DeltaTable(uri).to_pyarrow_table()`` (``deltalake_snapshot_1m_s``); the
+  figure is delta-rs's seconds over ours.
+
+Every ``*_vs_*`` figure reads "above 1 is better for us": a rate is ours over the other's, a
+time the other's over ours.
+
 ``--quick`` shrinks every size (a smoke run). Figures on a shared 2-core machine are noisy:
 the load average of each phase is reported (``load``).
 """
@@ -308,6 +335,181 @@ def baseline_rows(progress_file: Path) -> int:
     return sum(json.loads(x).get("rows", 0) for x in lines if x.strip())
 
 
+# -- the delta-rs peer (a child process) ----------------------------------------------------------
+
+#: Prefix of the peer's Delta transaction app ids: one per desired partition, whose version is the
+#: last offset of that partition the table holds.
+DELTA_APP = "bench-deltalake"
+
+
+def delta_storage_options(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """delta-rs's object store settings for the embedded S3 server (the services' endpoint).
+    No unsafe-rename setting: delta-rs commits with a conditional put, which moto supports."""
+    return {
+        "AWS_ENDPOINT_URL": env["SHARDSINK_S3_ENDPOINT"],
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_REGION": env.get("AWS_DEFAULT_REGION", "us-east-1"),
+        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+    }
+
+
+def delta_row_schema() -> Any:
+    """The peer table's columns: the collection's row columns, then ``_time`` and ``_diff``
+    (``_time`` signed: Delta has no unsigned long)."""
+    import pyarrow as pa
+
+    from shared.avro_columns import ColumnCodec
+
+    return pa.schema([*ColumnCodec(SCHEMA).arrow_schema, pa.field("_time", pa.int64()), pa.field("_diff", pa.int64())])
+
+
+def deltalake_worker(topic: str, uri: str, progress_file: str, start_json: str) -> int:
+    """A minimal Kafka-to-Delta loop with delta-rs, exactly once.
+
+    Per poll (what the consumer has fetched, waiting at most one trigger, 100 ms, for the first
+    record):
+
+    1. read the table's last transaction version of every partition in the poll
+       (``update_incremental`` then ``transaction_version``) and drop the records at or below
+       it: an earlier commit of this loop holds them (delta-rs does not refuse a repeated
+       transaction version itself, delta-rs issue 2580; the writer checks before it commits);
+    2. decode the rest as the sink does: the desired messages with the write service's
+       vectorised decoder (``services.sinkio.DesiredDecoder``), the rows of the updates with
+       the collection's column codec (``shared.avro_columns.ColumnCodec``);
+    3. append the updates (row columns, ``_time``, ``_diff``) with one ``write_deltalake``
+       commit whose ``app_transactions`` hold, per partition, the poll's last offset;
+    4. only then count the progress statements of the poll as visible (the updates below them
+       are committed) and report the poll on ``progress_file`` (records, updates, the desired
+       frontier the table now holds, commit wall time).
+
+    A poll of progress statements only makes no commit (nothing to write; re-reading them after
+    a restart is harmless). Starts at the offsets in ``start_json`` (``{partition: offset}``),
+    or after the table's transaction version of a partition when it has one.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from confluent_kafka import TopicPartition
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+    from services.runtime.settings import ServiceSettings
+    from services.sinkio import KIND_PROGRESS, KIND_UPDATE, DesiredDecoder
+    from shared.avro_columns import ColumnCodec
+    from shared.io.kafka import consume_available, new_consumer
+
+    settings = ServiceSettings.from_env_and_args(None)
+    opts = delta_storage_options(os.environ)
+    schema = delta_row_schema()
+    if not DeltaTable.is_deltatable(uri, opts):
+        DeltaTable.create(uri, schema, storage_options=opts)
+    dt = DeltaTable(uri, storage_options=opts)
+    start = {int(p): int(o) for p, o in json.loads(start_json).items()}
+    app = {p: f"{DELTA_APP}-{topic}-{p}" for p in start}
+    pos = {}
+    for p, o in start.items():
+        v = dt.transaction_version(app[p])
+        pos[p] = o if v is None else v + 1
+    rows = ColumnCodec(SCHEMA)
+    decoder = DesiredDecoder(topic)
+    consumer = new_consumer(settings.kafka)
+    consumer.assign([TopicPartition(topic, p, o) for p, o in pos.items()])
+    frontier: dict[int, int] = {}  # per partition, the latest progress the table holds
+    out = open(progress_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the loop
+    out.write(json.dumps({"started": True, "version": dt.version(), "from": pos}) + "\n")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    bad = 0
+    try:
+        while not stop.is_set():
+            msgs = [m for m in consume_available(consumer, 100_000, 0.1) if m.error() is None]
+            if not msgs:
+                continue
+            part = np.fromiter((m.partition() for m in msgs), np.int32, len(msgs))
+            off = np.fromiter((m.offset() for m in msgs), np.int64, len(msgs))
+            # 1. exactly once: what an earlier commit holds is not written again.
+            dt.update_incremental()
+            keep = np.ones(len(msgs), bool)
+            for p in np.unique(part).tolist():
+                done = dt.transaction_version(app[p])
+                if done is not None:
+                    keep &= (part != p) | (off > done)
+            if not keep.all():
+                idx = np.flatnonzero(keep)
+                msgs = [msgs[i] for i in idx]
+                part, off = part[idx], off[idx]
+                if not msgs:
+                    continue
+            # 2. decode as the sink does.
+            rb = pa.RecordBatch.from_pydict({
+                "topic": pa.array([topic] * len(msgs), pa.string()),
+                "partition": pa.array(part, pa.int32()),
+                "offset": pa.array(off, pa.int64()),
+                "value": pa.array([m.value() for m in msgs], pa.binary()),
+            })
+            dec = decoder.decode(rb)
+            upd = dec.filter(pc.equal(dec.column("kind"), KIND_UPDATE))
+            table = schema.empty_table()
+            if upd.num_rows:
+                d = rows.decode(upd.column("row"), skip=10)  # single-object encoded: a 10-byte header
+                bad += len(d.errors)
+                ok = pa.array(d.ok)
+                table = pa.Table.from_arrays(
+                    [*d.table.columns, upd.column("time").filter(ok), upd.column("diff").filter(ok)], schema=schema)
+            # 3. one append commit, with every partition's last offset as its transaction version.
+            t_commit = time.time()
+            if table.num_rows:
+                last = {p: int(off[part == p].max()) for p in np.unique(part).tolist()}
+                write_deltalake(dt, table, mode="append", commit_properties=CommitProperties(
+                    app_transactions=[Transaction(app[p], v) for p, v in last.items()]))
+            # 4. the progress of the poll is visible now.
+            prog = dec.filter(pc.equal(dec.column("kind"), KIND_PROGRESS))
+            for p, f in zip(prog.column("partition").to_pylist(), prog.column("frontier").to_pylist(), strict=True):
+                if f is not None:
+                    frontier[p] = max(frontier.get(p, f), f)
+            held = min(frontier.values()) if len(frontier) == len(start) else None
+            out.write(json.dumps({"rows": len(msgs), "updates": table.num_rows, "bad": bad, "frontier": held,
+                                  "commit_s": round(time.time() - t_commit, 4), "version": dt.version(),
+                                  "t": time.time()}) + "\n")
+    finally:
+        consumer.close()
+    return 0
+
+
+def delta_lines(progress_file: Path) -> list[dict[str, Any]]:
+    try:
+        lines = progress_file.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for x in lines:
+        with contextlib.suppress(ValueError):  # a line being written
+            d = json.loads(x)
+            if "rows" in d:
+                out.append(d)
+    return out
+
+
+def delta_done_at(progress_file: Path, records: int) -> float | None:
+    """Wall time of the peer's poll that brought its record count to ``records`` (None: not yet)."""
+    n = 0
+    for d in delta_lines(progress_file):
+        n += d["rows"]
+        if n >= records:
+            return float(d["t"])
+    return None
+
+
+def delta_visible_at(progress_file: Path) -> dict[int, float]:
+    """Per desired frontier the peer's table reached, the wall time it first held it."""
+    out: dict[int, float] = {}
+    for d in delta_lines(progress_file):
+        f = d.get("frontier")
+        if f is not None and f not in out:
+            out[f] = float(d["t"])
+    return out
+
+
 # -- control messages (for the freshness breakdown) ---------------------------------------------------
 
 
@@ -397,6 +599,149 @@ def produce_timed(workload: Workload, batches: list[list[tuple[bytes, int]]]) ->
     return t0, time.monotonic() - t0, f
 
 
+def deltalake_phase(wl: Workload, topic: str, env: dict[str, str], settings: Any, work: Path, procs: list[Proc], *,
+                    n_updates: int, step_updates: int, repeats: int, fresh_s: float) -> dict[str, Any]:
+    """The delta-rs peer on the sink's desired topic: throughput bursts as the sink's, then
+    freshness at ~10k updates/s (see the module docstring). Starts at the topic's end."""
+    from shared.io.kafka import end_offsets
+
+    producer = wl.producer
+    producer.flush()
+    start = end_offsets(settings.kafka, topic)
+    sent0 = producer.sent_updates + producer.sent_progress
+    upd0 = producer.sent_updates
+    uri = f"s3://{settings.s3.bucket}/bench-deltalake/{uuid.uuid4().hex[:8]}"
+    progress = work / "deltalake-progress.jsonl"
+    log(f"deltalake: starting the delta-rs loop (Kafka -> Delta table {uri}) at offsets {start}")
+    peer = Proc(
+        "deltalake",
+        [sys.executable, str(REPO / "bench" / "bench_sink.py"), "--deltalake-worker", topic, uri, str(progress),
+         json.dumps(start)],
+        env,
+        work / "deltalake.log",
+    ).start()
+    procs.append(peer)
+    assert peer.p is not None
+
+    def records() -> int:
+        return producer.sent_updates + producer.sent_progress - sent0
+
+    out: dict[str, Any] = {}
+    wl.send_step(wl.make(step_updates))
+    want = records()
+    wait_for(lambda: delta_done_at(progress, want) is not None, 300, "the delta-rs loop's warm-up step", [peer])
+    runs: list[tuple[float, float]] = []  # (seconds, CPU seconds)
+    for _ in range(repeats):
+        batches = [wl.make(step_updates) for _ in range(n_updates // step_updates)]
+        time.sleep(1.0)  # the previous burst's last commit
+        cpu0 = tree_cpu(peer.p.pid)
+        t0_wall = time.time()
+        t0, prod_s, _ = produce_timed(wl, batches)
+        want = records()
+        wait_for(lambda: delta_done_at(progress, want) is not None, 600, "the delta-rs loop to commit every record",
+                 [peer], poll_s=0.01)
+        run_s = (delta_done_at(progress, want) or time.time()) - t0_wall
+        runs.append((run_s, cpu_shares(cpu0, tree_cpu(peer.p.pid))["cpu_s"]))
+        log(f"deltalake: {n_updates} updates in {run_s:.2f}s ({n_updates / run_s:.0f}/s); produced in {prod_s:.2f}s")
+    secs = statistics.median(r[0] for r in runs)
+    out["deltalake_updates_per_s"] = round(n_updates / secs)
+    out["deltalake_updates_per_s_runs"] = [round(n_updates / r[0]) for r in runs]
+    out["deltalake_cpu_s"] = round(statistics.median(r[1] for r in runs), 1)
+
+    # Freshness: the same steps as the sink's 10k/s run (5,000 updates every 0.5 s).
+    steps = int(fresh_s / 0.5)
+    batches = [wl.make(5_000) for _ in range(steps)]
+    adv: dict[int, float] = {}
+    log(f"deltalake freshness: {steps} steps of 5000 updates every 0.5 s")
+    t_start = time.monotonic()
+    for i, b in enumerate(batches):
+        f = wl.send_step(b)
+        adv[f] = time.time()
+        sleep = t_start + (i + 1) * 0.5 - time.monotonic()
+        if sleep > 0:
+            time.sleep(sleep)
+    achieved = steps * 5_000 / (time.monotonic() - t_start)
+    last = max(adv)
+    wait_for(lambda: any(f >= last for f in delta_visible_at(progress)), 600, "the delta-rs loop to catch up", [peer])
+    seen = sorted(delta_visible_at(progress).items())
+    fresh = [next(t for g, t in seen if g >= f) - t_adv for f, t_adv in adv.items()]
+    lines = delta_lines(progress)
+    commits = [d["commit_s"] for d in lines if d["updates"]]
+    out["deltalake_freshness_p50_s"] = round(pct(fresh, 0.5), 3)
+    out["deltalake_freshness_p99_s"] = round(pct(fresh, 0.99), 3)
+    out["deltalake_freshness_rate_updates_per_s"] = round(achieved)
+    out["deltalake_commit_p50_s"] = round(pct(commits, 0.5), 3)
+    out["deltalake_commits"] = len(commits)
+    out["deltalake_table_version"] = lines[-1]["version"] if lines else None
+    out["deltalake_bad_rows"] = lines[-1]["bad"] if lines else None
+    log(f"deltalake freshness: p50 {out['deltalake_freshness_p50_s']}s p99 {out['deltalake_freshness_p99_s']}s at "
+        f"{achieved:.0f} updates/s; {len(commits)} commits, p50 {out['deltalake_commit_p50_s']}s each")
+    peer.stop()
+    # Exactly once: the table holds every update of the topic from the start offsets, once.
+    from deltalake import DeltaTable
+
+    rows = DeltaTable(uri, storage_options=delta_storage_options(env)).count()
+    out["deltalake_rows"] = rows
+    if rows != producer.sent_updates - upd0:
+        raise RuntimeError(f"expected the delta-rs table to hold every update once ({producer.sent_updates - upd0}), "
+                           f"found {rows} rows")
+    return out
+
+
+def snapshot_table(start: int, n: int, time_: int) -> Any:
+    """``n`` inserts of the bench's orders (ids ``start..``) at ``time_``."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(start)
+    ids = np.arange(start, start + n, dtype=np.int64)
+    cats = pa.array(CATEGORIES, pa.string())
+    return pa.table({
+        "id": pa.array(ids),
+        "customer": pa.array([f"c{i}" for i in rng.integers(0, 100_000, n).tolist()], pa.string()),
+        "amount": pa.array(np.round(rng.uniform(0, 1000, n), 2)),
+        "category": cats.take(pa.array(rng.integers(0, len(CATEGORIES), n))),
+        "_time": pa.array(np.full(n, time_, np.uint64)),
+        "_diff": pa.array(np.ones(n, np.int64)),
+    })
+
+
+def snapshot_vs_deltalake(settings: Any, env: dict[str, str], rows: int, chunk: int) -> dict[str, Any]:
+    """The same ``rows`` inserts, appended in ``rows // chunk`` commits to a collection's shard
+    and to a Delta table on the same S3 server; each read back whole three times (the best
+    counts): ours with the read API (``open_collection(...).snapshot()``: consolidated, sorted
+    by row), delta-rs with ``DeltaTable(uri).to_pyarrow_table()`` (open included in both)."""
+    from deltalake import DeltaTable, write_deltalake
+
+    from shared.io.client import open_collection
+    from shared.shard import Shard
+
+    opts = delta_storage_options(env)
+    run = uuid.uuid4().hex[:8]
+    shard_id, uri = f"snap-{run}", f"s3://{settings.s3.bucket}/bench-deltalake/snap-{run}"
+    shard = Shard.create(settings.store(), shard_id, SCHEMA)
+    for i in range(rows // chunk):
+        t = snapshot_table(i * chunk, chunk, i)
+        shard.compare_and_append(t, i, i + 1)
+        write_deltalake(uri, t.set_column(4, "_time", t["_time"].cast("int64")), mode="append", storage_options=opts)
+
+    def best(read: Callable[[], Any]) -> tuple[float, int]:
+        times, n = [], 0
+        for _ in range(3):
+            a = time.perf_counter()
+            n = read().num_rows
+            times.append(time.perf_counter() - a)
+        return min(times), n
+
+    ours_s, ours_n = best(lambda: open_collection(shard_id, settings).snapshot())
+    delta_s, delta_n = best(lambda: DeltaTable(uri, storage_options=opts).to_pyarrow_table())
+    if ours_n != rows or delta_n != rows:
+        raise RuntimeError(f"expected {rows} rows in both snapshots, found ours {ours_n}, delta-rs {delta_n}")
+    log(f"snapshot of {rows} rows: ours {ours_s:.3f}s, delta-rs {delta_s:.3f}s")
+    return {"snapshot_rows": rows, "snapshot_1m_s": round(ours_s, 3), "deltalake_snapshot_1m_s": round(delta_s, 3),
+            "snapshot_1m_vs_deltalake": round(delta_s / ours_s, 3)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
@@ -406,10 +751,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, help="timed bursts of each throughput run and kills at each history size of "
                     "the recovery run; the figures are their medians (default 3, quick 1)")
     ap.add_argument("--profile", action="store_true", help="py-spy the services (and their Python workers) during the sink throughput run")
+    ap.add_argument("--no-deltalake", action="store_true", help="leave out the delta-rs peer (its phase and figures)")
     ap.add_argument("--baseline-worker", nargs=3, metavar=("TOPIC", "PREFIX", "PROGRESS_FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--deltalake-worker", nargs=4, metavar=("TOPIC", "URI", "PROGRESS_FILE", "START"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.baseline_worker:
         return baseline_worker(*args.baseline_worker)
+    if args.deltalake_worker:
+        return deltalake_worker(*args.deltalake_worker)
 
     from shardsink.cli.catalog import create_collection
     from services.runtime.settings import ServiceSettings
@@ -574,6 +923,17 @@ def main() -> int:
             out["freshness_1k_breakdown"] = freshness_breakdown(settings.kafka, settings, sink_id, adv_wall)
             log(f"freshness at 1k/s: p50 {out['freshness_1k_p50_s']}s p99 {out['freshness_1k_p99_s']}s; {out['freshness_1k_breakdown']}")
             svc.stop()
+
+            # -- 3b. the delta-rs peer on the same topic and S3 server; a snapshot read of both --
+            if not args.no_deltalake:
+                loads["deltalake"] = load()
+                out.update(deltalake_phase(wl, topic, env, settings, work, procs, n_updates=n_updates,
+                                           step_updates=step_updates, repeats=repeats, fresh_s=fresh_s))
+                out["sink_vs_deltalake"] = round(out["sink_updates_per_s"] / out["deltalake_updates_per_s"], 3)
+                out["freshness_vs_deltalake"] = round(out["deltalake_freshness_p50_s"] / out["freshness_p50_s"], 3)
+                loads["snapshot"] = load()
+                snap_rows = 100_000 if args.quick else 1_000_000
+                out.update(snapshot_vs_deltalake(settings, env, snap_rows, snap_rows // 4))
 
             # -- 4. recovery of a SIGKILLed write service (separate processes) -----------------------
             watch.stop()

@@ -54,7 +54,7 @@ BENCHES = (
     # 10k appends with inline compaction: ~35 appends/s on 2 idle cores (~5 minutes).
     Bench("bench-shard", "bench_shard.py", (), ("--quick",), 6.5, 0.7),
     Bench("bench-kafka", "bench_kafka.py", ("--records", "200000", "--runs", "2"), ("--records", "20000", "--runs", "1"), 1.5, 1.0),
-    Bench("bench-sink", "bench_sink.py", ("--updates", "200000", "--freshness-s", "30"), ("--quick",), 4.5, 2.0),
+    Bench("bench-sink", "bench_sink.py", ("--updates", "200000", "--freshness-s", "30"), ("--quick",), 5.5, 2.5),
     Bench("bench-controller", "bench_controller.py", (), ("--quick", "--no-cluster"), 1.5, 0.5),
     Bench("bench-scale", "bench_scale.py", (), ("--quick", "--no-cluster"), 6.0, 2.5),
 )
@@ -242,8 +242,15 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     base = g(res, "bench-sink", "baseline_updates_per_s")
     row("sink `sink_updates_per_s`", g(res, "bench-sink", "sink_updates_per_s"), f"plain Spark to Parquet {fmt(base)}/s", target_text=">= 0.8 x baseline")
     row("sink `sink_vs_baseline`", g(res, "bench-sink", "sink_vs_baseline"), "", ">=", 0.8)
+    row("sink `sink_vs_deltalake` (updates/s ratio, same topic and S3 server)", g(res, "bench-sink", "sink_vs_deltalake"),
+        f"delta-rs Kafka-to-Delta loop {fmt(g(res, 'bench-sink', 'deltalake_updates_per_s'))}/s")
     row("sink `freshness_p50_s`", g(res, "bench-sink", "freshness_p50_s"), "", "<=", 1)
     row("sink `freshness_p99_s`", g(res, "bench-sink", "freshness_p99_s"), "", "<=", 2)
+    row("sink `freshness_vs_deltalake` (delta-rs p50 / ours)", g(res, "bench-sink", "freshness_vs_deltalake"),
+        f"delta-rs commit freshness p50 {fmt(g(res, 'bench-sink', 'deltalake_freshness_p50_s'))} s")
+    row("sink `snapshot_1m_vs_deltalake` (delta-rs s / ours)", g(res, "bench-sink", "snapshot_1m_vs_deltalake"),
+        f"{fmt(g(res, 'bench-sink', 'snapshot_rows'))} rows: ours {fmt(g(res, 'bench-sink', 'snapshot_1m_s'))} s, "
+        f"delta-rs {fmt(g(res, 'bench-sink', 'deltalake_snapshot_1m_s'))} s")
     row("sink `recovery_s` (write SIGKILLed after 10N updates)", g(res, "bench-sink", "recovery_s"), f"after N: {fmt(g(res, 'bench-sink', 'recovery_n_s'))} s", "<=", 10)
     row("sink `recovery_history_ratio` (10N / N, same live size)", g(res, "bench-sink", "recovery_history_ratio"), "", "<=", 1.3)
     row("sink `driver_cpu_share`", g(res, "bench-sink", "driver_cpu_share"),

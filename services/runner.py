@@ -63,6 +63,18 @@ def nudge(settings: ServiceSettings, sink: SinkDef) -> None:
     p.flush()
 
 
+def describe_for_write(settings: ServiceSettings, sink: SinkDef) -> dict[str, Any]:
+    """What the shared write query's source needs of a member besides its definition: the
+    collection's row schema, and the sink's quarantined desired ranges."""
+    import json
+
+    from services.write.quarantine import load_quarantine
+    from shared.shard import Shard
+
+    schema = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms).refresh().schema
+    return {"row_schema": json.dumps(schema), "quarantine": [list(q) for q in load_quarantine(settings, sink)]}
+
+
 @dataclass
 class Services:
     """Running services of one application (and their per-sink state, for metrics/tests)."""
@@ -71,11 +83,18 @@ class Services:
     spark: Any
     names: tuple[str, ...]
     supervisors: list[Supervisor] = field(default_factory=list)
+    #: Shared mode (``SHARDSINK_QUERIES=shared``): one fleet per service, and their group.
+    fleets: dict[str, Any] = field(default_factory=dict)
+    group: Any = None
+    #: Shared mode: each service's driver step (``SharedMint``, ``SharedWrite``, ``SharedAppend``).
+    shared: dict[str, list[Any]] = field(default_factory=dict)
     minters: dict[str, Any] = field(default_factory=dict)
     writers: dict[str, Any] = field(default_factory=dict)
     appenders: dict[str, Any] = field(default_factory=dict)
 
     def start(self) -> Services:
+        if self.settings.queries == "shared":
+            return self._start_shared()
         from services.append.service import start_append_query
         from services.mint.service import start_mint_query
         from services.write.service import on_write_failure, start_write_query
@@ -107,11 +126,73 @@ class Services:
             self.supervisors.append(sup.start())
         return self
 
+    def _start_shared(self) -> Services:
+        """One query per service for every sink (services/runtime/fleet.py)."""
+        from services.append.shared import start_shared_append_query
+        from services.mint.shared import start_shared_mint_query
+        from services.runtime.fleet import Fleet, FleetGroup
+        from services.write.shared import start_shared_write_query
+
+        ensure_control_topics(self.settings)
+        s = self.settings
+        starts = {
+            "mint": (start_shared_mint_query, self.minters),
+            "write": (start_shared_write_query, self.writers),
+            "append": (start_shared_append_query, self.appenders),
+        }
+        for name in self.names:
+            if name not in starts:
+                raise ValueError(f"expected a service in {SERVICES}, found {name!r}")
+        # Write and append take a new sink before mint can mint for it (FleetGroup).
+        for name in sorted(self.names, key=("write", "append", "mint").index):
+            fn, registry = starts[name]
+            box = self.shared.setdefault(name, [])
+
+            def start(fleet: Any, fn: Any = fn, registry: Any = registry, box: Any = box) -> Any:
+                return fn(self.spark, s, fleet, registry, box)
+
+            fleet = Fleet(
+                name, s, start,
+                ready=lambda sink: desired_topic_exists(s, sink.desired_topic),
+                on_change=(lambda sink: nudge(s, sink)) if name == "mint" else None,
+                describe=functools.partial(describe_for_write, s) if name == "write" else None,
+                reap=functools.partial(remove_checkpoints, self.spark, s, f"{name}-shared"),
+            )
+            self.fleets[name] = fleet
+        self.group = FleetGroup(s, list(self.fleets.values())).start()
+        return self
+
+    def failing(self) -> dict[str, dict[str, str]]:
+        """Shared mode: per service, the sinks held by a failure now, with the error."""
+        out: dict[str, dict[str, str]] = {}
+        for name, box in self.shared.items():
+            for app in box:
+                got = {}
+                for key, v in getattr(app, "failing", {}).items():
+                    if isinstance(v, dict):
+                        got[key] = "; ".join(f"partition {wp}: {err}" for wp, (_, err) in sorted(v.items()))
+                    elif isinstance(v, tuple):
+                        got[key] = str(v[-1])
+                    else:
+                        got[key] = str(v)
+                if got:
+                    out[name] = got
+        return out
+
     def stop(self) -> None:
         """Stop every query, then flush and release the control producers (so no client
         keeps reconnecting to a broker that is going away)."""
         import gc
 
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
+        for box in self.shared.values():
+            for app in box:
+                try:
+                    app.producer.flush(timeout_s=5)
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
         for sup in self.supervisors:
             sup.stop()
         self.supervisors.clear()

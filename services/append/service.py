@@ -94,10 +94,12 @@ class SinkAppender:
     _to_delete: list[StagedBatch] = field(default_factory=list)
 
     @staticmethod
-    def create(sink: SinkDef, settings: ServiceSettings) -> SinkAppender:
+    def create(sink: SinkDef, settings: ServiceSettings, producer: ControlProducer | None = None) -> SinkAppender:
+        """``producer``: one shared by the sinks of a shared query (None: a producer of its own)."""
         shard = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms)
         return SinkAppender(
-            sink, settings, shard, AppendState(sink.sink_id), ControlProducer.create(settings.kafka, f"append-{sink.sink_id}"), AppendMetrics()
+            sink, settings, shard, AppendState(sink.sink_id),
+            producer or ControlProducer.create(settings.kafka, f"append-{sink.sink_id}"), AppendMetrics()
         )
 
     def _handles(self, staged: tuple[Any, ...]) -> list[StagedBatch]:
@@ -150,19 +152,21 @@ class SinkAppender:
             self.metrics.staged_deleted += self.shard.delete_staged(batch)
 
     def process(self, table: pa.Table) -> None:
+        kinds = table["kind"].to_pylist()
+        topics = table["topic"].to_pylist()
+        values = table["value"].to_pylist()
+        self.process_messages([(t, v) for k, t, v in zip(kinds, topics, values, strict=True) if k == KIND_CONTROL])
+
+    def process_messages(self, messages: list[tuple[str, bytes | None]]) -> None:
+        """One micro-batch's control messages ``(topic, value)`` (others' are skipped)."""
         actions: list[AppendAction] = list(self.state.absorb_shard_upper(self.shard.refresh().upper))
         self.run_actions(actions)
         desc_codec = message_codec("batch_description")
         report_codec = message_codec("written_batch")
-        kinds = table["kind"].to_pylist()
-        topics = table["topic"].to_pylist()
-        values = table["value"].to_pylist()
         # Descriptions first: after a restart, the replayed reports of outdated descriptions
         # are then known to be this appender's and are deleted.
-        rows = sorted(zip(kinds, topics, values, strict=True), key=lambda r: r[1] != self.settings.descs_topic)
-        for kind, topic, value in rows:
-            if kind != KIND_CONTROL:
-                continue
+        rows = sorted(messages, key=lambda r: r[0] != self.settings.descs_topic)
+        for topic, value in rows:
             try:
                 if topic == self.settings.descs_topic:
                     desc = BatchDescription.from_dict(desc_codec.decode(value or b""))

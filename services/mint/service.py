@@ -141,7 +141,8 @@ class SinkMinter:
                 self.state.absorb_desired_progress(parts[i], None if closed[i] else u64(frs[i]))
 
     @staticmethod
-    def create(sink: SinkDef, settings: ServiceSettings, partitions: int) -> SinkMinter:
+    def create(sink: SinkDef, settings: ServiceSettings, partitions: int, producer: ControlProducer | None = None) -> SinkMinter:
+        """``producer``: one shared by the sinks of a shared query (None: a producer of its own)."""
         shard = Shard.open(settings.store(), sink.collection_id, grace_ms=settings.grace_ms)
         state = MintState(
             sink.sink_id,
@@ -151,7 +152,7 @@ class SinkMinter:
             read_only=sink.read_only,
             nonce=uuid.uuid4().hex[:8],
         )
-        return SinkMinter(sink, settings, shard, state, ControlProducer.create(settings.kafka, f"mint-{sink.sink_id}"))
+        return SinkMinter(sink, settings, shard, state, producer or ControlProducer.create(settings.kafka, f"mint-{sink.sink_id}"))
 
     def process(self, table: pa.Table, read_unread: Callable[[dict[int, tuple[int, int]]], pa.Table] | None = None) -> None:
         """One micro-batch: ``table`` holds its decoded records (all of them, or without the

@@ -39,6 +39,17 @@ def _text_or_none(text: str) -> str | None:
     return text or None
 
 
+#: The values of ``SHARDSINK_QUERIES``: how a service instance runs its sinks.
+QUERY_MODES = ("per-sink", "shared")
+
+
+def _query_mode(text: str) -> str:
+    mode = text.strip().lower()
+    if mode not in QUERY_MODES:
+        raise ValueError(f"expected SHARDSINK_QUERIES in {QUERY_MODES}, found {text!r}")
+    return mode
+
+
 def _faults(text: str) -> Faults | None:
     """The development stack's fault injection is imported only when faults are asked for: a
     deployment never imports it."""
@@ -170,6 +181,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sink_shard",                    "SHARDSINK_SINK_SHARD",              "--sink-shard",              "0/1", SinkShard.parse,
             "i/n: this instance serves the sinks whose stable hash of the id is i modulo n (n instances split "
             "the sinks with no overlap and no gap, see docs/scaling.md); 0/1: every sink"),
+    Setting("queries",                       "SHARDSINK_QUERIES",                 "--queries",                 "per-sink", _query_mode,
+            "per-sink: each service runs one streaming query per sink; shared: one streaming query per service "
+            "serves every sink of the instance, and sinks join and leave it without a restart (docs/scaling.md)"),
     _elsewhere("SHARDSINK_SPARK_KAFKA_CONNECTOR", "shardsink (default) or builtin (spark-sql-kafka jar)"),
     # -- test only ------------------------------------------------------------------------------------------
     Setting("faults",                        "SHARDSINK_FAULTS",                  None,                        "", _faults,
@@ -270,6 +284,7 @@ class ServiceSettings:
     grace_ms: int = _default("grace_ms")
     only_sinks: tuple[str, ...] = _default("only_sinks")
     sink_shard: SinkShard = _default("sink_shard")
+    queries: str = _default("queries")
     faults: Faults | None = _default("faults")
     max_records_per_trigger: int = _default("max_records_per_trigger")
     simulated_low_watermarks_file: str | None = _default("simulated_low_watermarks_file")

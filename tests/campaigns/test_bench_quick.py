@@ -28,7 +28,10 @@ FIGURES = {
     "bench-kafka": ["raw_produce_records_per_s", "raw_consume_records_per_s", "source_records_per_s",
                     "sink_records_per_s"],
     "bench-sink": ["sink_updates_per_s", "baseline_updates_per_s", "freshness_p50_s", "freshness_p99_s",
-                   "recovery_s", "correction_peak_ratio"],
+                   "recovery_s", "correction_peak_ratio",
+                   # the delta-rs peer on the same topic and S3 server (issue 31)
+                   "sink_vs_deltalake", "freshness_vs_deltalake", "snapshot_1m_vs_deltalake",
+                   "deltalake_updates_per_s", "deltalake_freshness_p50_s"],
     "bench-controller": ["peek_1m_rows_s", "subscribe_lag_p50_s", "subscribe_lag_p99_s", "compaction_mb_per_s",
                          "compaction_cpu_bound_mb_per_s", "spark_read_1m_rows_s",
                          # the peers on the same merged parts (issue 31)

@@ -205,6 +205,12 @@ class Harness:
         self.sinks.append(sink_id)
 
         def started() -> bool:
+            if self.services.fleets:  # shared queries: a member of every service's query
+                return all(
+                    f.member(sink_id) is not None and f.query is not None and f.query.isActive
+                    and f.query.status["message"] != "Initializing sources"
+                    for f in self.services.fleets.values()
+                )
             for sup in self.services.supervisors:
                 runner = sup.running.get(sink_id)
                 if runner is None or not runner.query.isActive:
@@ -246,7 +252,10 @@ class Harness:
             )
         out.append(
             "supervisor restarts: " + ", ".join(f"{s.name}={s.restarts}" for s in svc.supervisors)
+            + ", ".join(f"{n}={f.restarts}" for n, f in svc.fleets.items())
         )
+        if svc.fleets:
+            out.append(f"failing: {svc.failing()}")
         return "; ".join(out)
 
     def converge(

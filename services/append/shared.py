@@ -1,0 +1,184 @@
+"""The append service's shared query (``SHARDSINK_QUERIES=shared``): one query over ``descs``
+and ``batches`` appends for every sink the instance serves.
+
+Each micro-batch's control messages are decoded once on the driver and routed by their sink
+id to the sink's :class:`services.append.service.SinkAppender` (the per-sink contract of
+:mod:`services.append.service` is unchanged: one :class:`shared.append_state.AppendState` per
+sink, exactly-once append by the description's token). Messages of sinks this instance does not
+serve are skipped, as a per-sink query skips other sinks' messages.
+
+State: every member's appender state is saved with each micro-batch's offsets, in one driver
+state object keyed ``<sink>@<epoch>`` (:mod:`services.runtime.driver_state`); a sink that joins
+starts from fresh state, one that left is dropped from it.
+
+Failure isolation. A sink whose messages fail (its shard refuses the append, S3 keeps failing
+for its collection) is held alone: its messages of the micro-batch are kept in the saved state
+(``pending``) and retried, in order and before newer ones, at the next micro-batches, with
+backoff; the other sinks go on. The sink is named in the log and in :attr:`SharedAppend.failing`
+(metrics), until a retry succeeds.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.append.service import SinkAppender
+from services.runtime.driver_state import DriverStateLog
+from services.runtime.fleet import Fleet, sink_key
+from services.runtime.settings import ServiceSettings
+from services.runtime.supervisor import interruptible
+from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded, decode_on_driver, read_planned_batch
+from shared.append_state import AppendState
+from shared.codec import message_codec
+from shared.errors import DecodeError, ShardsinkError
+
+log = logging.getLogger("shardsink.append")
+
+
+def message_sink(topic: str, value: bytes | None, settings: ServiceSettings) -> str | None:
+    """The sink id a control message is for (None: not a message of descs or batches, or one
+    that does not decode: the sink it was for skips it too)."""
+    try:
+        if topic == settings.descs_topic:
+            return str(message_codec("batch_description").decode(value or b"")["sink_id"])
+        if topic == settings.batches_topic:
+            return str(message_codec("written_batch").decode(value or b"")["sink_id"])
+    except (DecodeError, ShardsinkError, KeyError, TypeError):
+        return None
+    return None
+
+
+@dataclass
+class SharedAppend:
+    """The driver's part of the shared append query."""
+
+    settings: ServiceSettings
+    fleet: Fleet
+    registry: dict[str, SinkAppender]
+    producer: ControlProducer
+    #: per key: the messages of a failing sink not appended yet, ``(topic, value)`` in order
+    pending: dict[str, list[tuple[str, bytes | None]]] = field(default_factory=dict)
+    #: per key: consecutive failures and the monotonic time of the next retry
+    failing: dict[str, tuple[int, float, str]] = field(default_factory=dict)
+    _keys: dict[str, str] = field(default_factory=dict)  # sink id -> key, of the appenders
+
+    def appender(self, key: str, saved: dict[str, Any] | None) -> SinkAppender | None:
+        sink = self.fleet.members().get(key)
+        if sink is None:
+            return None
+        a = self.registry.get(sink.sink_id)
+        if a is None or sink_key(a.sink) != key:
+            a = SinkAppender.create(sink, self.settings, self.producer)
+            if saved is not None:
+                a.state = AppendState.restore(saved)
+            self.registry[sink.sink_id] = a
+        a.sink = sink
+        return a
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        if not saved:
+            return
+        for key, st in saved.get("sinks", {}).items():
+            self.appender(key, st)
+        for key, msgs in saved.get("pending", {}).items():
+            self.pending[key] = [(t, None if v is None else base64.b64decode(v)) for t, v in msgs]
+
+    def checkpoint(self) -> dict[str, Any]:
+        members = self.fleet.members()
+        return {
+            "sinks": {sink_key(a.sink): a.state.checkpoint() for a in self.registry.values() if sink_key(a.sink) in members},
+            "pending": {k: [[t, None if v is None else base64.b64encode(v).decode()] for t, v in msgs]
+                        for k, msgs in self.pending.items() if k in members},
+        }
+
+    def process(self, topics: list[str], values: list[bytes | None]) -> None:
+        members = self.fleet.members()
+        by_id = {s.sink_id: k for k, s in members.items()}
+        routed: dict[str, list[tuple[str, bytes | None]]] = {}
+        for t, v in zip(topics, values, strict=True):
+            sid = message_sink(t, v, self.settings)
+            key = by_id.get(sid) if sid is not None else None
+            if key is not None:
+                routed.setdefault(key, []).append((t, v))
+        for key in list(self.pending):
+            if key not in members:
+                del self.pending[key]
+                self.failing.pop(key, None)
+        now = time.monotonic()
+        for key in sorted(set(routed) | set(self.pending)):
+            msgs = self.pending.get(key, []) + routed.get(key, [])
+            fails = self.failing.get(key)
+            if fails is not None and now < fails[1]:
+                self.pending[key] = msgs  # backing off: held, in order
+                continue
+            a = self.appender(key, None)
+            if a is None:
+                continue
+            try:
+                a.process_messages(msgs)
+            except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
+                a._to_delete = []
+                n = (fails[0] if fails else 0) + 1
+                delay = min(60.0, 2.0 ** min(n, 6) / 2)
+                self.failing[key] = (n, now + delay, f"{type(e).__name__}: {e}"[:500])
+                self.pending[key] = msgs
+                # The state may hold half of the micro-batch: take it back to the saved one.
+                a.state = AppendState.restore(self._saved.get(key)) if self._saved.get(key) else AppendState(a.sink.sink_id)
+                log.error("append failed for this sink (held, retried in %.0fs; the other sinks go on): %s",
+                          delay, e, extra={"sink_id": a.sink.sink_id})
+                continue
+            self.pending.pop(key, None)
+            if self.failing.pop(key, None) is not None:
+                log.info("append recovered for this sink", extra={"sink_id": a.sink.sink_id})
+        for sid, a in list(self.registry.items()):
+            if sink_key(a.sink) not in members:
+                del self.registry[sid]
+
+    _saved: dict[str, Any] = field(default_factory=dict)
+
+
+def start_shared_append_query(spark: Any, settings: ServiceSettings, fleet: Fleet, registry: dict[str, SinkAppender],
+                              shared: list[SharedAppend] | None = None) -> Any:
+    from services.append.source import append_source
+    from shared.spark.kafka_connector import _connector, kafka_read_stream
+
+    checkpoint = fleet.checkpoint
+    states = DriverStateLog(spark, checkpoint)
+    try:
+        saved = states.restore()
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("starting a new shared append checkpoint (the old one has no usable state: %s)", e)
+        states.reset()
+        saved = None
+    registry.clear()
+    app = SharedAppend(settings, fleet, registry, ControlProducer.create(settings.kafka, "append-shared"))
+    app.restore(saved)
+    if shared is not None:
+        shared[:] = [app]
+    df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic],
+                           starting_offsets="earliest", source=append_source(settings.descs_topic),
+                           wait_for_records_ms=settings.source_wait_ms)
+    ours = _connector(None) != "builtin"
+
+    def each(batch_df: Any, batch_id: int) -> None:
+        raw = read_planned_batch(states.files, batch_id, settings.kafka) if ours else None
+        table = decode_on_driver(raw, None) if raw is not None else collect_decoded(batch_df, None, on_driver=True)
+        keep = [i for i, k in enumerate(table["kind"].to_pylist()) if k == KIND_CONTROL]
+        topics = table["topic"].to_pylist()
+        values = table["value"].to_pylist()
+        app._saved = {sink_key(a.sink): a.state.checkpoint() for a in registry.values()}
+        app.process([topics[i] for i in keep], [values[i] for i in keep])
+        states.save(batch_id, app.checkpoint())
+
+    name = f"append-shared-{settings.sink_shard.index}of{settings.sink_shard.count}"
+    return (
+        df.writeStream.foreachBatch(interruptible(each, name))
+        .option("checkpointLocation", checkpoint)
+        .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
+        .queryName(name)
+        .start()
+    )

@@ -1,0 +1,242 @@
+"""The mint service's shared query (``SHARDSINK_QUERIES=shared``): one query over ``frontiers``
+and every member sink's desired topic mints for every sink the instance serves.
+
+The query's source (:class:`shared.spark.fleet_source.FleetStreamReader`) plans each
+micro-batch's ranges: ``frontiers``, and each member's desired partitions under the sink's key.
+The driver reads no desired update: for each member with news it reads each desired range's
+latest progress statement from the range's tail (:func:`services.sinkio.latest_progress_record`,
+the partitions of all sinks concurrently), routes the ``frontiers`` announcements by sink id,
+and runs the sink's :class:`services.mint.service.SinkMinter` (the per-sink contract of
+:mod:`services.mint.service` is unchanged: strictly increasing lowers, a new epoch per start).
+A member with nothing new costs nothing, except a sink waiting for its upper to move, whose
+shard is read at least every :data:`services.mint.service.SHARD_REFRESH_S` in case an
+announcement was lost.
+
+State: per member (``<sink>@<epoch>``), the minter's state and its unread ranges, saved with
+each micro-batch's offsets. Failure isolation: a member whose tail cannot be read keeps the
+range as unread (read when it can matter, as :mod:`services.mint.service` says); a member whose
+step fails is logged by name and retried at the next micro-batch; the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from services.mint.service import SHARD_REFRESH_S, SinkMinter
+from services.runtime.driver_state import DriverStateLog, planned_offsets
+from services.runtime.fleet import Fleet, sink_key
+from services.runtime.settings import ServiceSettings
+from services.runtime.supervisor import interruptible
+from services.sinkio import (
+    ControlProducer,
+    decode_on_driver,
+    latest_progress_record,
+    planned_ranges,
+    read_latest_progress,
+    read_ranges,
+)
+from shared.codec import MARKER, message_codec
+from shared.errors import DecodeError, ShardsinkError
+
+log = logging.getLogger("shardsink.mint")
+
+_EMPTY_RAW = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("value", pa.binary())])
+
+
+def update_prefix() -> bytes:
+    """The value prefix of a desired update of the current schema (mint skips updates)."""
+    return MARKER + message_codec("desired").fingerprint + b"\x00"
+
+
+@dataclass
+class SharedMint:
+    """The driver's part of the shared mint query."""
+
+    settings: ServiceSettings
+    fleet: Fleet
+    registry: dict[str, SinkMinter]
+    producer: ControlProducer
+    failing: dict[str, str] = field(default_factory=dict)
+
+    def minter(self, key: str, saved: dict[str, Any] | None = None) -> SinkMinter | None:
+        from shared.io.kafka_admin import topic_partition_count
+
+        sink = self.fleet.members().get(key)
+        if sink is None:
+            return None
+        m = self.registry.get(sink.sink_id)
+        if m is None or sink_key(m.sink) != key:
+            m = SinkMinter.create(sink, self.settings, topic_partition_count(self.settings.kafka, sink.desired_topic), self.producer)
+            if saved is not None:
+                m.state.restore(saved)
+                m.unread = {int(p): (int(a), int(b)) for p, (a, b) in saved.get("unread", {}).items()}
+            self.registry[sink.sink_id] = m
+        if m.state.read_only and not sink.read_only:
+            m.state.allow_writes()
+        m.sink = sink
+        return m
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        for key, st in (saved or {}).get("sinks", {}).items():
+            try:
+                self.minter(key, st)
+            except ShardsinkError as e:
+                log.warning("could not restore the minter of %s: %s", key, e)
+
+    def checkpoint(self) -> dict[str, Any]:
+        members = self.fleet.members()
+        return {"sinks": {sink_key(m.sink): {**m.state.checkpoint(), "unread": {str(p): list(r) for p, r in m.unread.items()}}
+                          for m in self.registry.values() if sink_key(m.sink) in members}}
+
+    def process(self, ranges: list[tuple[str, int, int, int]] | None) -> None:
+        """One micro-batch: ``ranges`` as planned (None: the first of a checkpoint, whose start
+        Spark does not log: every member's shard is read, every desired partition's tail too)."""
+        s = self.settings
+        members = self.fleet.members()
+        prefix = update_prefix()
+        if ranges is None:
+            from shared.io.kafka_admin import topic_partition_count
+
+            ranges = []
+            for key, sink in members.items():
+                ends = _ends(s, sink.desired_topic, topic_partition_count(s.kafka, sink.desired_topic))
+                ranges.extend((key, p, 0, e) for p, e in ends.items() if e > 0)
+            first = True
+        else:
+            first = False
+        frontier_ranges = [r for r in ranges if r[0] == s.frontiers_topic]
+        desired = [r for r in ranges if r[0] in members]
+        # Announcements by sink id.
+        announced: dict[str, list[tuple[int, bytes]]] = {}
+        if frontier_ranges:
+            raw = read_ranges(s.kafka, frontier_ranges)
+            codec = message_codec("frontier_update")
+            for off, value in zip(raw["offset"].to_pylist(), raw["value"].to_pylist(), strict=True):
+                try:
+                    sid = str(codec.decode(value or b"")["sink_id"])
+                except (DecodeError, ShardsinkError, KeyError, TypeError):
+                    continue
+                announced.setdefault(sid, []).append((off, value))
+
+        def tail(r: tuple[str, int, int, int]) -> Any:
+            key, p, a, b = r
+            try:
+                return latest_progress_record(s.kafka, members[key].desired_topic, p, a, b, prefix)
+            except ShardsinkError as e:
+                return e
+
+        if len(desired) > 1:
+            with ThreadPoolExecutor(max_workers=min(8, len(desired))) as ex:
+                tails = list(ex.map(tail, desired))
+        else:
+            tails = [tail(r) for r in desired]
+        statements: dict[str, list[tuple[str, int, int, bytes]]] = {}
+        unread: dict[str, list[tuple[int, int, int]]] = {}
+        for (key, p, a, b), found in zip(desired, tails, strict=True):
+            if isinstance(found, ShardsinkError):
+                unread.setdefault(key, []).append((p, a, b))
+            elif found is not None:
+                statements.setdefault(key, []).append((members[key].desired_topic, p, found[0], found[1]))
+            else:
+                statements.setdefault(key, [])
+        now = time.monotonic()
+        for key, sink in sorted(members.items()):
+            news = key in statements or key in unread or sink.sink_id in announced
+            try:
+                m = self.minter(key)
+                if m is None:
+                    continue
+                waiting = not m.state.persist_advanced() and (m.refreshed_at is None or now - m.refreshed_at >= SHARD_REFRESH_S)
+                if not (news or first or waiting or m.unread or m.state.read_only):
+                    continue  # nothing new for this sink: it costs nothing
+                for p, a, b in unread.get(key, []):
+                    m.note_unread(p, a, b)
+                rows = [(t, p, o, v) for t, p, o, v in statements.get(key, [])]
+                rows += [(s.frontiers_topic, 0, o, v) for o, v in announced.get(sink.sink_id, [])]
+                for _, p, o, _ in statements.get(key, []):
+                    m.note_read(p, o)
+                raw = pa.table({
+                    "topic": pa.array([r[0] for r in rows], pa.string()),
+                    "partition": pa.array([r[1] for r in rows], pa.int32()),
+                    "offset": pa.array([r[2] for r in rows], pa.int64()),
+                    "value": pa.array([r[3] for r in rows], pa.binary()),
+                }, schema=_EMPTY_RAW)
+                topic = sink.desired_topic
+
+                def read_unread(ur: dict[int, tuple[int, int]], topic: str = topic) -> pa.Table:
+                    got = pa.concat_tables([read_latest_progress(s.kafka, topic, p, a, b, prefix) for p, (a, b) in sorted(ur.items())])
+                    return decode_on_driver(got, topic, progress_only=True)
+
+                if first:
+                    m.refreshed_at = None  # a new checkpoint: read the shard now
+                m.process(decode_on_driver(raw, topic, progress_only=True), read_unread)
+            except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
+                if key not in self.failing:
+                    log.error("mint failed for this sink (retried at the next micro-batch; the other sinks go on): %s",
+                              e, extra={"sink_id": sink.sink_id})
+                self.failing[key] = f"{type(e).__name__}: {e}"[:500]
+                continue
+            if self.failing.pop(key, None) is not None:
+                log.info("mint recovered for this sink", extra={"sink_id": sink.sink_id})
+        for sid, m in list(self.registry.items()):
+            if sink_key(m.sink) not in members:
+                del self.registry[sid]
+        for key in list(self.failing):
+            if key not in members:
+                del self.failing[key]
+
+
+def _ends(settings: ServiceSettings, topic: str, partitions: int) -> dict[int, int]:
+    from shared.io.kafka import OffsetProbe
+
+    probe = OffsetProbe(settings.kafka, 30.0)
+    try:
+        return {p: e for (_, p), e in probe.ends([(topic, p) for p in range(partitions)]).items()}
+    finally:
+        probe.close()
+
+
+def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet, registry: dict[str, SinkMinter],
+                            shared: list[SharedMint] | None = None) -> Any:
+    from shared.spark.fleet_source import MEMBERS_OPTION, FleetDataSource
+    from shared.spark.kafka_connector import kafka_read_stream
+
+    checkpoint = fleet.checkpoint
+    states = DriverStateLog(spark, checkpoint)
+    try:
+        saved = states.restore()
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("starting a new shared mint checkpoint (the old one has no usable state: %s)", e)
+        states.reset()
+        saved = None
+    registry.clear()
+    mint = SharedMint(settings, fleet, registry, ControlProducer.create(settings.kafka, "mint-shared"))
+    mint.restore(saved)
+    if shared is not None:
+        shared[:] = [mint]
+    df = kafka_read_stream(
+        spark, settings.kafka, [settings.frontiers_topic], starting_offsets="latest",
+        source=(FleetDataSource.name(), FleetDataSource, {MEMBERS_OPTION: fleet.members_file}),
+        wait_for_records_ms=settings.source_wait_ms,
+    )
+
+    def each(batch_df: Any, batch_id: int) -> None:
+        logged = planned_offsets(states.files, batch_id)
+        ranges = planned_ranges(states.files, batch_id, logged) if logged is not None else None
+        mint.process(ranges)
+        states.save(batch_id, mint.checkpoint())
+
+    name = f"mint-shared-{settings.sink_shard.index}of{settings.sink_shard.count}"
+    return (
+        df.writeStream.foreachBatch(interruptible(each, name))
+        .option("checkpointLocation", checkpoint)
+        .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
+        .queryName(name)
+        .start()
+    )

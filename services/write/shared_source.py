@@ -1,0 +1,326 @@
+"""The source of the write service's shared query (``SHARDSINK_QUERIES=shared``): every member
+sink's desired topic and ``descs``, planned as work units of ``(sink, writer partition)``.
+
+Planning (the source runner, on the driver): a micro-batch's ranges are the Kafka source's
+(:class:`shared.spark.fleet_source.FleetStreamReader`, members held back between
+descriptions). The runner reads the batch's ``descs`` range itself (a few records) and routes
+each description by its sink id; a unit is planned for each writer partition that has
+something to do: news on its desired partition, a description of its sink, or a replay (below).
+Idle sinks get no unit, so a hundred idle sinks cost no task. Units are packed into few tasks
+(:func:`pack_units`), each carrying its sink's :class:`services.write.job.WriteJob`.
+
+Execution (executors): a task runs its units, the units of one sink one after the other and
+different sinks' units side by side on a few threads (their time is mostly S3 and Kafka
+round trips); each unit decodes its input and runs the write step of
+:mod:`services.write.executor` exactly as a per-sink query does, with its state versioned by
+the shared query's micro-batch ids under the sink's own folder. A unit that fails yields a
+``fail`` row instead of failing the task: one sink's failure is that sink's alone.
+
+Replays. A failed unit saved no state version, so the next unit of that writer partition
+loads the version before it; its input must come again. The driver records, per failed unit,
+where its desired range started and its descriptions, in the replay file
+(:data:`REPLAY_FILE` beside the members file). ``latestOffset`` carries the file's content in
+the micro-batch's offsets (the ``@replay`` annotation, logged with them: a re-run plans the
+same work) and plans the replayed units with their input again (their desired range from its
+old start); with nothing else to read, it makes a micro-batch for them every
+:data:`RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import pyarrow as pa
+from pyspark.sql.datasource import InputPartition
+from pyspark.sql.streaming.datasource import ReadLimit
+
+from services.sinkio import decode_partition
+from services.write.executor import run_write_step
+from services.write.job import WriteJob
+from services.write.source import _batch_id
+from shared.codec import message_codec
+from shared.errors import DecodeError, ShardsinkError
+from shared.kafka_offsets import ANNOTATION_PREFIX, offsets_from_json, offsets_to_json, pending
+from shared.spark.fleet_source import FleetStreamReader, SinkRange, members_option
+from shared.spark.kafka_connector import KafkaDataSource
+from shared.spark.kafka_source import KafkaInputPartition, SourceOptions, read_range
+from shared.spark.worker_heap import settle
+
+#: One row per unit and kind: ``sink`` is the sink's key (``<sink>@<epoch>``).
+SHARED_OUTPUT_DDL = "sink string, wp int, kind string, body string"
+SHARED_OUTPUT_SCHEMA = pa.schema([pa.field("sink", pa.string()), pa.field("wp", pa.int32()),
+                                  pa.field("kind", pa.string()), pa.field("body", pa.string())])
+REPLAY_KEY = ANNOTATION_PREFIX + "replay"
+RETRY_KEY = ANNOTATION_PREFIX + "retry"
+REPLAY_FILE = "replay.json"
+#: With replays pending and nothing else to read, a micro-batch retries them this often.
+RETRY_S = 2.0
+#: A description weighs as much as this many records when units are packed into tasks (it
+#: costs a read-back of the shard and a staged part).
+DESCRIPTION_WEIGHT = 5_000
+_RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
+                         ("partition", pa.int32()), ("offset", pa.int64())])
+
+
+def replay_path(members_file: str) -> str:
+    return os.path.join(os.path.dirname(members_file), REPLAY_FILE)
+
+
+def read_replay(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            got = json.load(f)
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_replay(path: str, replay: Mapping[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(replay, f, sort_keys=True)
+    os.replace(tmp, path)
+
+
+class WriteUnit:
+    """One sink's writer partition's input of one micro-batch."""
+
+    def __init__(self, key: str, wp: int, job: WriteJob, desired: KafkaInputPartition | None,
+                 descs: Sequence[tuple[int, int, bytes]], quarantine: Sequence[tuple[int, int, int, str]]) -> None:
+        self.key = key
+        self.wp = wp
+        self.job = job
+        self.desired = desired
+        #: the sink's descriptions ``(partition, offset, value)`` of ``descs``, in order
+        self.descs = tuple(descs)
+        self.quarantine = tuple(quarantine)
+
+    @property
+    def weight(self) -> int:
+        d = self.desired
+        return (0 if d is None else d.end - d.start) + DESCRIPTION_WEIGHT * len(self.descs) + 1
+
+
+class UnitsPartition(InputPartition):
+    """A task's units."""
+
+    def __init__(self, units: Sequence[WriteUnit]) -> None:
+        super().__init__(tuple((u.key, u.wp) for u in units))
+        self.units = tuple(units)
+
+
+def pack_units(units: Sequence[WriteUnit], min_weight: int, parallelism: int) -> list[UnitsPartition]:
+    """Few tasks: ``ceil(weight / min_weight)`` of them, at least ``parallelism`` (when there
+    are that many sinks), at most one per sink; a sink's units stay in one task (they share the
+    sink's shard context), the heaviest sinks first into the lightest task."""
+    by_sink: dict[str, list[WriteUnit]] = {}
+    for u in units:
+        by_sink.setdefault(u.key, []).append(u)
+    if not by_sink:
+        return []
+    total = sum(u.weight for u in units)
+    tasks = max(1, min(len(by_sink), max(parallelism, -(-total // max(1, min_weight)))))
+    bins: list[list[WriteUnit]] = [[] for _ in range(tasks)]
+    sizes = [0] * tasks
+    for key, us in sorted(by_sink.items(), key=lambda kv: (-sum(u.weight for u in kv[1]), kv[0])):
+        i = sizes.index(min(sizes))
+        bins[i].extend(sorted(us, key=lambda u: u.wp))
+        sizes[i] += sum(u.weight for u in us)
+    return [UnitsPartition(b) for b in bins if b]
+
+
+class WriteFleetReader(FleetStreamReader):
+    """The shared write query's reader (module docstring)."""
+
+    hold = True
+    values_only = True
+
+    def __init__(self, options: SourceOptions, members_file: str, settings: Any, parallelism: int) -> None:
+        super().__init__(options, members_file)
+        #: the services' settings (:class:`services.runtime.settings.ServiceSettings`)
+        self.settings = settings
+        self.parallelism = parallelism
+        self._retry_at = 0.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "settings": self.settings, "parallelism": self.parallelism, "_retry_at": 0.0}
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        end = super().latestOffset(start, limit)
+        replay = read_replay(replay_path(self.members_file))
+        members = self.members()
+        replay = {k: v for k, v in replay.items() if k in members}
+        if not replay:
+            return end
+        end = {**end, REPLAY_KEY: replay}
+        if pending(offsets_from_json(start), offsets_from_json(end)) or start.get(REPLAY_KEY) != replay:
+            return end
+        now = time.monotonic()
+        if now >= self._retry_at:
+            self._retry_at = now + RETRY_S
+            return {**end, RETRY_KEY: int(start.get(RETRY_KEY, 0)) + 1}
+        return dict(start)
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        replay: dict[str, dict[str, Any]] = dict(end.get(REPLAY_KEY) or {})
+        s = offsets_from_json(start)
+        # A replayed writer partition's desired range starts where its failed unit's did.
+        for key, wps in replay.items():
+            for wp, r in wps.items():
+                if r.get("from") is not None:
+                    cur = s.setdefault(key, {})
+                    cur[int(wp)] = min(int(r["from"]), cur.get(int(wp), int(r["from"])))
+        ranges = self.input_ranges(offsets_to_json(s), end)
+        members = self.members()
+        descs = self._descriptions([r for r in ranges if not isinstance(r, SinkRange)], members)
+        desired: dict[tuple[str, int], KafkaInputPartition] = {
+            (r.key, r.partition): r for r in ranges if isinstance(r, SinkRange)
+        }
+        units: list[WriteUnit] = []
+        for key, m in sorted(members.items()):
+            n = self._count(m)
+            if n <= 0:
+                continue
+            new = descs.get(str(m["sink_id"]), [])
+            wps = set(range(n)) if new else set()
+            wps |= {wp for (k, wp) in desired if k == key}
+            wps |= {int(wp) for wp in replay.get(key, {})}
+            if not wps:
+                continue
+            job = self._job(key, m, n)
+            quarantine = [(int(q[0]), int(q[1]), int(q[2]), str(q[3])) for q in m.get("quarantine", [])]
+            for wp in sorted(wps):
+                again = [(int(p), int(o), base64.b64decode(v)) for p, o, v in replay.get(key, {}).get(str(wp), {}).get("descs", [])]
+                units.append(WriteUnit(key, wp, job, desired.get((key, wp)), again + new, quarantine))
+        return pack_units(units, self.options.min_records_per_task, self.parallelism)
+
+    def _count(self, m: Mapping[str, Any]) -> int:
+        return len(self._parts(str(m["desired_topic"])))
+
+    def _job(self, key: str, m: Mapping[str, Any], partitions: int) -> WriteJob:
+        from services.runtime.fleet import sink_state_dir
+        from shared.catalog import SinkDef
+
+        sink = SinkDef(**{f: m[f] for f in ("sink_id", "desired_topic", "collection_id", "as_of", "read_only",
+                                            "dropped", "epoch", "adopt_shard", "replace_contents") if f in m})
+        return WriteJob(sink, self.settings, partitions, str(m["row_schema"]), self.settings.descs_topic,
+                        sink_state_dir(self.settings, "write", sink))
+
+    def _descriptions(self, control: Sequence[KafkaInputPartition], members: Mapping[str, Any]
+                      ) -> dict[str, list[tuple[int, int, bytes]]]:
+        """The micro-batch's descriptions by sink id (read here: a few records)."""
+        wanted = {str(m["sink_id"]) for m in members.values()}
+        codec = message_codec("batch_description")
+        out: dict[str, list[tuple[int, int, bytes]]] = {}
+        for r in control:
+            for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True):
+                for off, value in zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True):
+                    try:
+                        sid = str(codec.decode(value or b"")["sink_id"])
+                    except (DecodeError, ShardsinkError, KeyError, TypeError):
+                        continue  # every writer skips it
+                    if sid in wanted:
+                        out.setdefault(sid, []).append((r.partition, int(off), value))
+        return out
+
+    # -- executor side -------------------------------------------------------------------------
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        settle()
+        assert isinstance(partition, UnitsPartition)
+        batch_id = _batch_id()
+        by_sink: dict[str, list[WriteUnit]] = {}
+        for u in partition.units:
+            by_sink.setdefault(u.key, []).append(u)
+
+        def run(units: list[WriteUnit]) -> list[pa.RecordBatch]:
+            return [b for u in units for b in self._run_unit(u, batch_id)]
+
+        groups = list(by_sink.values())
+        if len(groups) > 1:
+            with ThreadPoolExecutor(max_workers=min(4, len(groups))) as ex:
+                results = list(ex.map(run, groups))
+        else:
+            results = [run(g) for g in groups]
+        return iter([b for r in results for b in r])
+
+    def _run_unit(self, u: WriteUnit, batch_id: int) -> list[pa.RecordBatch]:
+        job = u.job
+        try:
+            fn = decode_partition(job.sink.desired_topic, job.schema_json, route_to=job.partitions, executor=False,
+                                  quarantine=list(u.quarantine), only_wp=u.wp)
+            raw = itertools.chain(
+                self._read_one(u.desired) if u.desired is not None else iter(()),
+                [_control_batch(job.descs_topic, u.descs)] if u.descs else [],
+            )
+            out = list(run_write_step(job, u.wp, batch_id, fn(raw)))
+        except Exception as e:  # noqa: BLE001 - a unit's failure is its sink's alone
+            body = {
+                "error": f"{type(e).__name__}: {e}"[:2000],
+                "trace": traceback.format_exc()[-4000:],
+                "from": None if u.desired is None else (u.desired.lost_from if u.desired.lost_from is not None else u.desired.start),
+                "end": None if u.desired is None else u.desired.end,
+                "descs": [[p, o, base64.b64encode(v).decode()] for p, o, v in u.descs],
+            }
+            row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
+            return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
+        return [_with_sink(b, u.key) for b in out if b.num_rows]
+
+
+def _control_batch(topic: str, descs: Sequence[tuple[int, int, bytes]]) -> pa.RecordBatch:
+    """The sink's descriptions as records of the source's shape (values and offsets only)."""
+    from shared.spark.kafka_source import _arrow_schema
+
+    schema = _arrow_schema()
+    n = len(descs)
+    cols: dict[str, pa.Array] = {}
+    for f in schema:
+        if f.name == "topic":
+            cols[f.name] = pa.array([topic] * n, f.type)
+        elif f.name == "partition":
+            cols[f.name] = pa.array([p for p, _, _ in descs], f.type)
+        elif f.name == "offset":
+            cols[f.name] = pa.array([o for _, o, _ in descs], f.type)
+        elif f.name == "value":
+            cols[f.name] = pa.array([v for _, _, v in descs], f.type)
+        else:
+            cols[f.name] = pa.nulls(n, f.type)
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+def _with_sink(b: pa.RecordBatch, key: str) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array([key] * b.num_rows, pa.string()), *b.columns], schema=SHARED_OUTPUT_SCHEMA)
+
+
+class WriteFleetDataSource(KafkaDataSource):
+    """``shardsink-write-shared``: the shared write query's source; a subclass made by
+    :func:`shared_write_source` carries the services' settings."""
+
+    settings: ClassVar[Any] = None
+    parallelism: ClassVar[int] = 2
+
+    @classmethod
+    def name(cls) -> str:
+        return "shardsink-write-shared"
+
+    def schema(self) -> str:  # type: ignore[override]
+        return SHARED_OUTPUT_DDL
+
+    def streamReader(self, schema: Any) -> WriteFleetReader:
+        return WriteFleetReader(SourceOptions.parse(self.options), members_option(self.options), self.settings, self.parallelism)
+
+
+def shared_write_source(settings: Any, members_file: str, parallelism: int) -> tuple[str, type[WriteFleetDataSource], dict[str, str]]:
+    from shared.spark.fleet_source import MEMBERS_OPTION
+
+    cls = type("WriteFleetSource", (WriteFleetDataSource,), {"settings": settings, "parallelism": parallelism})
+    return WriteFleetDataSource.name(), cls, {MEMBERS_OPTION: members_file}
+
