@@ -610,8 +610,9 @@ def deltalake_phase(wl: Workload, topic: str, env: dict[str, str], settings: Any
     start = end_offsets(settings.kafka, topic)
     sent0 = producer.sent_updates + producer.sent_progress
     upd0 = producer.sent_updates
-    uri = f"s3://{settings.s3.bucket}/bench-deltalake/{uuid.uuid4().hex[:8]}"
-    progress = work / "deltalake-progress.jsonl"
+    run = uuid.uuid4().hex[:8]
+    uri = f"s3://{settings.s3.bucket}/bench-deltalake/{run}"
+    progress = work / f"deltalake-{run}-progress.jsonl"  # a reused work dir keeps older runs' files
     log(f"deltalake: starting the delta-rs loop (Kafka -> Delta table {uri}) at offsets {start}")
     peer = Proc(
         "deltalake",

@@ -24,9 +24,11 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
 - ``new_sink_first_upper_s``: with the N sinks running, one more collection and sink is
   created and a step produced: the time from creating the sink until its first upper
   (``null`` past the budget);
-- ``query_failures``: lines of the services' log that say a query failed (the supervisor's
-  "query failed, restarting") or "Python worker failed to connect back"
-  (``query_failed_lines`` and ``worker_connect_back_lines`` separately).
+- ``query_failures``: the supervisor's "query failed, restarting" lines in the services' log
+  (``query_failed_lines``) plus the "Python worker failed to connect back" errors that no such
+  line reports (``worker_connect_back_unreported``; a failed query's own Spark trace and the
+  supervisor's line both name it, and count once); ``worker_connect_back_lines``: every line
+  naming it. Counted before the services are stopped (their shutdown is not counted).
 
 Uppers are timed as ``bench/upper_watch.py`` does, by the appenders' announcements on the
 ``frontiers`` topic, with one consumer for every shard; a shard behind what was produced to it
@@ -158,15 +160,26 @@ def _tree_usage_proc(root: int) -> Usage:
 
 
 def count_failures(log_path: Path) -> dict[str, int]:
-    failed = back = 0
+    """Query failures in the services' log: the supervisor's "query failed" lines, plus the
+    "failed to connect back" errors that no such line reports. A query that fails because its
+    Python worker could not connect back shows the phrase twice: in Spark's "terminated with
+    error" trace and in the supervisor's line; those count once, as the supervisor's."""
+    failed = back = unreported = 0
+    after_terminated = False
     try:
         with open(log_path, errors="replace") as f:
             for line in f:
-                failed += QUERY_FAILED in line
-                back += CONNECT_BACK in line
+                if QUERY_FAILED in line:
+                    failed += 1
+                    back += CONNECT_BACK in line
+                elif CONNECT_BACK in line:
+                    back += 1
+                    unreported += not after_terminated
+                after_terminated = "terminated with error" in line
     except OSError:
         pass
-    return {"query_failures": failed + back, "query_failed_lines": failed, "worker_connect_back_lines": back}
+    return {"query_failures": failed + unreported, "query_failed_lines": failed, "worker_connect_back_lines": back,
+            "worker_connect_back_unreported": unreported}
 
 
 # -- uppers of many shards ------------------------------------------------------------------------------
