@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
 
 log = logging.getLogger("shardsink.append")
+
+#: See :meth:`SharedAppend._look_back`.
+JOIN_LOOKBACK = 10_000
 
 
 def message_sink(topic: str, value: bytes | None, settings: ServiceSettings) -> str | None:
@@ -64,9 +68,27 @@ class SharedAppend:
     pending: dict[str, list[tuple[str, bytes | None]]] = field(default_factory=dict)
     #: per key: consecutive failures and the monotonic time of the next retry
     failing: dict[str, tuple[int, float, str]] = field(default_factory=dict)
-    _keys: dict[str, str] = field(default_factory=dict)  # sink id -> key, of the appenders
+    #: keys of appenders made without saved state: their first micro-batch looks back
+    fresh: set[str] = field(default_factory=set)
+    #: where the micro-batch being processed starts (None: unknown, the checkpoint's first)
+    batch_start: dict[str, dict[int, int]] | None = None
 
-    def appender(self, key: str, saved: dict[str, Any] | None) -> SinkAppender | None:
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def sync(self, members: dict[str, Any]) -> None:
+        """Make the parts of the members that have none yet (called by the fleet when they change)."""
+        for key in sorted(members):
+            try:
+                self.appender(key)
+            except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
+                log.warning("could not prepare %s: %s", key, e)
+
+    def appender(self, key: str, saved: dict[str, Any] | None = None) -> SinkAppender | None:
+        """The member's part (made at its first use; None: not a member)."""
+        with self._lock:
+            return self._appender(key, saved)
+
+    def _appender(self, key: str, saved: dict[str, Any] | None = None) -> SinkAppender | None:
         sink = self.fleet.members().get(key)
         if sink is None:
             return None
@@ -75,6 +97,8 @@ class SharedAppend:
             a = SinkAppender.create(sink, self.settings, self.producer)
             if saved is not None:
                 a.state = AppendState.restore(saved)
+            else:
+                self.fresh.add(key)
             self.registry[sink.sink_id] = a
         a.sink = sink
         return a
@@ -108,9 +132,10 @@ class SharedAppend:
             if key not in members:
                 del self.pending[key]
                 self.failing.pop(key, None)
+        looked = self._look_back(members)
         now = time.monotonic()
-        for key in sorted(set(routed) | set(self.pending)):
-            msgs = self.pending.get(key, []) + routed.get(key, [])
+        for key in sorted(set(routed) | set(self.pending) | set(looked)):
+            msgs = looked.get(key, []) + self.pending.get(key, []) + routed.get(key, [])
             fails = self.failing.get(key)
             if fails is not None and now < fails[1]:
                 self.pending[key] = msgs  # backing off: held, in order
@@ -140,6 +165,37 @@ class SharedAppend:
 
     _saved: dict[str, Any] = field(default_factory=dict)
 
+    def _look_back(self, members: dict[str, Any]) -> dict[str, list[tuple[str, bytes | None]]]:
+        """The messages of sinks new to this query among the last :data:`JOIN_LOOKBACK` records
+        of each partition of ``descs`` and ``batches`` before the micro-batch: a description or
+        report produced before this appender took the sink (separate services follow the
+        catalog each on its own clock)."""
+        fresh = {k for k in self.fresh if k in members}
+        self.fresh -= fresh | {k for k in self.fresh if k not in members}
+        if not fresh or not self.batch_start:
+            return {}
+        from services.sinkio import read_ranges
+        from shared.io.kafka import OffsetProbe
+
+        want = {members[k].sink_id: k for k in fresh}
+        tps = [(t, p) for t in (self.settings.descs_topic, self.settings.batches_topic) for p in self.batch_start.get(t, {})]
+        probe = OffsetProbe(self.settings.kafka, 30.0)
+        try:
+            lows = probe.watermarks(tps, earliest=True) if tps else {}
+        finally:
+            probe.close()
+        ranges = [(t, p, max(lows.get((t, p), 0), e - JOIN_LOOKBACK), e) for t, p in tps
+                  for e in [self.batch_start[t][p]] if e > max(lows.get((t, p), 0), e - JOIN_LOOKBACK)]
+        out: dict[str, list[tuple[str, bytes | None]]] = {}
+        if not ranges:
+            return out
+        raw = read_ranges(self.settings.kafka, ranges)
+        for t, v in zip(raw["topic"].to_pylist(), raw["value"].to_pylist(), strict=True):
+            sid = message_sink(t, v, self.settings)
+            if sid in want:
+                out.setdefault(want[sid], []).append((t, v))
+        return out
+
 
 def start_shared_append_query(spark: Any, settings: ServiceSettings, fleet: Fleet, registry: dict[str, SinkAppender],
                               shared: list[SharedAppend] | None = None) -> Any:
@@ -159,12 +215,19 @@ def start_shared_append_query(spark: Any, settings: ServiceSettings, fleet: Flee
     app.restore(saved)
     if shared is not None:
         shared[:] = [app]
+    fleet.on_members = app.sync
+    app.sync(fleet.members())
     df = kafka_read_stream(spark, settings.kafka, [settings.descs_topic, settings.batches_topic],
                            starting_offsets="earliest", source=append_source(settings.descs_topic),
                            wait_for_records_ms=settings.source_wait_ms)
     ours = _connector(None) != "builtin"
 
     def each(batch_df: Any, batch_id: int) -> None:
+        from services.runtime.driver_state import planned_offsets
+        from shared.kafka_offsets import offsets_from_json
+
+        before = planned_offsets(states.files, batch_id - 1) if batch_id > 0 else None
+        app.batch_start = offsets_from_json(before) if before else None
         raw = read_planned_batch(states.files, batch_id, settings.kafka) if ours else None
         table = decode_on_driver(raw, None) if raw is not None else collect_decoded(batch_df, None, on_driver=True)
         keep = [i for i, k in enumerate(table["kind"].to_pylist()) if k == KIND_CONTROL]

@@ -21,6 +21,7 @@ step fails is logged by name and retried at the next micro-batch; the others go 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,7 +65,22 @@ class SharedMint:
     producer: ControlProducer
     failing: dict[str, str] = field(default_factory=dict)
 
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def sync(self, members: dict[str, Any]) -> None:
+        """Make the parts of the members that have none yet (called by the fleet when they change)."""
+        for key in sorted(members):
+            try:
+                self.minter(key)
+            except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
+                log.warning("could not prepare %s: %s", key, e)
+
     def minter(self, key: str, saved: dict[str, Any] | None = None) -> SinkMinter | None:
+        """The member's part (made at its first use; None: not a member)."""
+        with self._lock:
+            return self._minter(key, saved)
+
+    def _minter(self, key: str, saved: dict[str, Any] | None = None) -> SinkMinter | None:
         from shared.io.kafka_admin import topic_partition_count
 
         sink = self.fleet.members().get(key)
@@ -220,6 +236,8 @@ def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet,
     mint.restore(saved)
     if shared is not None:
         shared[:] = [mint]
+    fleet.on_members = mint.sync
+    mint.sync(fleet.members())
     df = kafka_read_stream(
         spark, settings.kafka, [settings.frontiers_topic], starting_offsets="latest",
         source=(FleetDataSource.name(), FleetDataSource, {MEMBERS_OPTION: fleet.members_file}),

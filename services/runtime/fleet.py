@@ -90,6 +90,9 @@ class Fleet:
     describe: Callable[[SinkDef], dict[str, Any]] | None = None
     #: Deletes folders under the service's shared root that the predicate rejects.
     reap: Callable[[Callable[[str], bool]], Any] | None = None
+    #: Called with the members after they changed (the shared driver makes its per-sink parts
+    #: then, so a sink's parts exist before its first micro-batch).
+    on_members: Callable[[dict[str, SinkDef]], None] | None = None
     query: Any = None
     restarts: int = 0
     backoff_s: float = 1.0
@@ -186,6 +189,11 @@ class Fleet:
             self._write(members)
             with self._lock:
                 self._members = members
+            if self.on_members is not None:
+                try:
+                    self.on_members(members)
+                except Exception as e:  # noqa: BLE001 - the driver makes them at its next micro-batch
+                    log.warning("%s: preparing the new members failed: %s", self.name, e)
             joined = sorted(set(members) - set(old))
             left = sorted(set(old) - set(members))
             if joined or left:

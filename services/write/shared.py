@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,22 @@ class SharedWrite:
     def replay_file(self) -> str:
         return replay_path(self.fleet.members_file)
 
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def sync(self, members: dict[str, Any]) -> None:
+        """Make the parts of the members that have none yet (called by the fleet when they change)."""
+        for key in sorted(members):
+            try:
+                self.writer(key)
+            except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
+                log.warning("could not prepare %s: %s", key, e)
+
     def writer(self, key: str) -> SinkWriter | None:
+        """The member's part (made at its first use; None: not a member)."""
+        with self._lock:
+            return self._writer(key)
+
+    def _writer(self, key: str) -> SinkWriter | None:
         sink = self.fleet.members().get(key)
         if sink is None:
             return None
@@ -152,6 +168,8 @@ def start_shared_write_query(spark: Any, settings: ServiceSettings, fleet: Fleet
     app.replay = read_replay(app.replay_file)
     if shared is not None:
         shared[:] = [app]
+    fleet.on_members = app.sync
+    app.sync(fleet.members())
     sc = spark.sparkContext
     parallelism = max(1, int(sc.defaultParallelism))
     df = kafka_read_stream(

@@ -48,7 +48,7 @@ from services.write.job import WriteJob
 from services.write.source import _batch_id
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
-from shared.kafka_offsets import ANNOTATION_PREFIX, offsets_from_json, offsets_to_json, pending
+from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json, offsets_to_json, pending
 from shared.spark.fleet_source import FleetStreamReader, SinkRange, members_option
 from shared.spark.kafka_connector import KafkaDataSource
 from shared.spark.kafka_source import KafkaInputPartition, SourceOptions, read_range
@@ -63,6 +63,10 @@ RETRY_KEY = ANNOTATION_PREFIX + "retry"
 REPLAY_FILE = "replay.json"
 #: With replays pending and nothing else to read, a micro-batch retries them this often.
 RETRY_S = 2.0
+#: A sink that joins the query reads the sink's descriptions among this many records of each
+#: ``descs`` partition before the micro-batch's start (a description minted while the writer
+#: had not taken the sink yet: separate services follow the catalog each on its own clock).
+JOIN_LOOKBACK = 10_000
 #: A description weighs as much as this many records when units are packed into tasks (it
 #: costs a read-back of the shard and a staged part).
 DESCRIPTION_WEIGHT = 5_000
@@ -181,7 +185,14 @@ class WriteFleetReader(FleetStreamReader):
                     cur[int(wp)] = min(int(r["from"]), cur.get(int(wp), int(r["from"])))
         ranges = self.input_ranges(offsets_to_json(s), end)
         members = self.members()
-        descs = self._descriptions([r for r in ranges if not isinstance(r, SinkRange)], members)
+        control = [r for r in ranges if not isinstance(r, SinkRange)]
+        descs = self._descriptions(control, members)
+        joined = {str(m["sink_id"]): m for k, m in members.items() if k not in s}
+        if joined:
+            # New to this query: its recent descriptions too (module docstring, JOIN_LOOKBACK).
+            before = self._lookback(offsets_from_json(start), joined)
+            for sid, found in before.items():
+                descs[sid] = found + descs.get(sid, [])
         desired: dict[tuple[str, int], KafkaInputPartition] = {
             (r.key, r.partition): r for r in ranges if isinstance(r, SinkRange)
         }
@@ -215,14 +226,15 @@ class WriteFleetReader(FleetStreamReader):
         return WriteJob(sink, self.settings, partitions, str(m["row_schema"]), self.settings.descs_topic,
                         sink_state_dir(self.settings, "write", sink))
 
-    def _descriptions(self, control: Sequence[KafkaInputPartition], members: Mapping[str, Any]
-                      ) -> dict[str, list[tuple[int, int, bytes]]]:
+    def _descriptions(self, control: Sequence[KafkaInputPartition], members: Mapping[str, Any],
+                      fail_on_data_loss: bool = True) -> dict[str, list[tuple[int, int, bytes]]]:
         """The micro-batch's descriptions by sink id (read here: a few records)."""
         wanted = {str(m["sink_id"]) for m in members.values()}
         codec = message_codec("batch_description")
         out: dict[str, list[tuple[int, int, bytes]]] = {}
         for r in control:
-            for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True):
+            for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True,
+                                fail_on_data_loss=fail_on_data_loss):
                 for off, value in zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True):
                     try:
                         sid = str(codec.decode(value or b"")["sink_id"])
@@ -231,6 +243,17 @@ class WriteFleetReader(FleetStreamReader):
                     if sid in wanted:
                         out.setdefault(sid, []).append((r.partition, int(off), value))
         return out
+
+    def _lookback(self, start: Offsets, joined: Mapping[str, Any]) -> dict[str, list[tuple[int, int, bytes]]]:
+        topic = self.settings.descs_topic
+        parts = start.get(topic) or {p: 0 for p in self._parts(topic)}
+        lows = self._p().watermarks([(topic, p) for p in parts], earliest=True) if parts else {}
+        ranges = []
+        for p, e in sorted(parts.items()):
+            lo = max(lows.get((topic, p), 0), e - JOIN_LOOKBACK)
+            if e > lo:
+                ranges.append(KafkaInputPartition(topic, p, lo, e))
+        return self._descriptions(ranges, {k: m for k, m in joined.items()}, fail_on_data_loss=False)
 
     # -- executor side -------------------------------------------------------------------------
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -113,10 +113,11 @@ class ServiceProcess:
         p.wait(timeout=30)
 
     def wait_started(self, timeout_s: float) -> None:
-        """Wait until this start's query runs (the supervisor logged it)."""
+        """Wait until this start's query runs (the supervisor logged it: per sink, or the
+        shared query of ``SHARDSINK_QUERIES=shared``)."""
         deadline = time.monotonic() + timeout_s
-        needle = f'"msg": "started {self.name} for sink"'
-        while needle not in self.logs[-1].read_text(errors="replace"):
+        needles = (f'"msg": "started {self.name} for sink"', f'"msg": "started the shared {self.name} query"')
+        while not any(n in self.logs[-1].read_text(errors="replace") for n in needles):
             assert self.alive(), f"expected {self.name} running, found it exited:\n{self.tail()}"
             assert time.monotonic() < deadline, f"expected {self.name} to start its query within {timeout_s}s"
             time.sleep(0.2)
