@@ -24,6 +24,7 @@ import base64
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ from shared.errors import DecodeError, ShardsinkError
 
 log = logging.getLogger("shardsink.append")
 
+#: Sinks whose messages are processed side by side (threads: S3 round trips).
+PARALLEL_SINKS = 8
 #: See :meth:`SharedAppend._look_back`.
 JOIN_LOOKBACK = 10_000
 
@@ -134,6 +137,7 @@ class SharedAppend:
                 self.failing.pop(key, None)
         looked = self._look_back(members)
         now = time.monotonic()
+        work: list[tuple[str, SinkAppender, list[tuple[str, bytes | None]]]] = []
         for key in sorted(set(routed) | set(self.pending) | set(looked)):
             msgs = looked.get(key, []) + self.pending.get(key, []) + routed.get(key, [])
             fails = self.failing.get(key)
@@ -141,11 +145,25 @@ class SharedAppend:
                 self.pending[key] = msgs  # backing off: held, in order
                 continue
             a = self.appender(key, None)
-            if a is None:
-                continue
+            if a is not None:
+                work.append((key, a, msgs))
+
+        def run(item: tuple[str, SinkAppender, list[tuple[str, bytes | None]]]) -> Exception | None:
             try:
-                a.process_messages(msgs)
+                item[1].process_messages(item[2])
             except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
+                return e
+            return None
+
+        # The sinks' appends are S3 round trips: side by side on a few threads.
+        if len(work) > 1:
+            with ThreadPoolExecutor(max_workers=min(PARALLEL_SINKS, len(work))) as ex:
+                outcomes = list(ex.map(run, work))
+        else:
+            outcomes = [run(w) for w in work]
+        for (key, a, msgs), e in zip(work, outcomes, strict=True):
+            fails = self.failing.get(key)
+            if e is not None:
                 a._to_delete = []
                 n = (fails[0] if fails else 0) + 1
                 delay = min(60.0, 2.0 ** min(n, 6) / 2)

@@ -47,6 +47,8 @@ from shared.errors import DecodeError, ShardsinkError
 
 log = logging.getLogger("shardsink.mint")
 
+#: Sinks whose steps run side by side (threads: S3 round trips).
+PARALLEL_SINKS = 8
 _EMPTY_RAW = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("value", pa.binary())])
 
 
@@ -97,6 +99,12 @@ class SharedMint:
             m.state.allow_writes()
         m.sink = sink
         return m
+
+    def _failed(self, key: str, sink: Any, e: Exception) -> None:
+        if key not in self.failing:
+            log.error("mint failed for this sink (retried at the next micro-batch; the other sinks go on): %s",
+                      e, extra={"sink_id": sink.sink_id})
+        self.failing[key] = f"{type(e).__name__}: {e}"[:500]
 
     def restore(self, saved: dict[str, Any] | None) -> None:
         for key, st in (saved or {}).get("sinks", {}).items():
@@ -162,15 +170,23 @@ class SharedMint:
             else:
                 statements.setdefault(key, [])
         now = time.monotonic()
+        work: list[tuple[str, Any, SinkMinter]] = []
         for key, sink in sorted(members.items()):
             news = key in statements or key in unread or sink.sink_id in announced
             try:
                 m = self.minter(key)
-                if m is None:
-                    continue
-                waiting = not m.state.persist_advanced() and (m.refreshed_at is None or now - m.refreshed_at >= SHARD_REFRESH_S)
-                if not (news or first or waiting or m.unread or m.state.read_only):
-                    continue  # nothing new for this sink: it costs nothing
+            except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
+                self._failed(key, sink, e)
+                continue
+            if m is None:
+                continue
+            waiting = not m.state.persist_advanced() and (m.refreshed_at is None or now - m.refreshed_at >= SHARD_REFRESH_S)
+            if news or first or waiting or m.unread or m.state.read_only:
+                work.append((key, sink, m))  # else nothing new for this sink: it costs nothing
+
+        def run(item: tuple[str, Any, SinkMinter]) -> Exception | None:
+            key, sink, m = item
+            try:
                 for p, a, b in unread.get(key, []):
                     m.note_unread(p, a, b)
                 rows = [(t, p, o, v) for t, p, o, v in statements.get(key, [])]
@@ -185,7 +201,7 @@ class SharedMint:
                 }, schema=_EMPTY_RAW)
                 topic = sink.desired_topic
 
-                def read_unread(ur: dict[int, tuple[int, int]], topic: str = topic) -> pa.Table:
+                def read_unread(ur: dict[int, tuple[int, int]]) -> pa.Table:
                     got = pa.concat_tables([read_latest_progress(s.kafka, topic, p, a, b, prefix) for p, (a, b) in sorted(ur.items())])
                     return decode_on_driver(got, topic, progress_only=True)
 
@@ -193,12 +209,19 @@ class SharedMint:
                     m.refreshed_at = None  # a new checkpoint: read the shard now
                 m.process(decode_on_driver(raw, topic, progress_only=True), read_unread)
             except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
-                if key not in self.failing:
-                    log.error("mint failed for this sink (retried at the next micro-batch; the other sinks go on): %s",
-                              e, extra={"sink_id": sink.sink_id})
-                self.failing[key] = f"{type(e).__name__}: {e}"[:500]
-                continue
-            if self.failing.pop(key, None) is not None:
+                return e
+            return None
+
+        # The sinks' steps are mostly S3 reads of their shards: side by side on a few threads.
+        if len(work) > 1:
+            with ThreadPoolExecutor(max_workers=min(PARALLEL_SINKS, len(work))) as ex:
+                outcomes = list(ex.map(run, work))
+        else:
+            outcomes = [run(w) for w in work]
+        for (key, sink, _), e in zip(work, outcomes, strict=True):
+            if e is not None:
+                self._failed(key, sink, e)
+            elif self.failing.pop(key, None) is not None:
                 log.info("mint recovered for this sink", extra={"sink_id": sink.sink_id})
         for sid, m in list(self.registry.items()):
             if sink_key(m.sink) not in members:

@@ -65,7 +65,7 @@ def write_members(path: str, members: dict[str, SinkDef], extra: dict[str, dict[
     place: a reader never sees half of it); ``extra``: more fields per key."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     extra = extra or {}
-    body = {"sinks": {k: {**s.definition(), "sink_id": s.sink_id, "epoch": s.epoch, **extra.get(k, {})}
+    body = {"sinks": {k: {**s.to_json(), **extra.get(k, {})}
                       for k, s in sorted(members.items())}}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

@@ -99,9 +99,12 @@ class WriteUnit:
     """One sink's writer partition's input of one micro-batch."""
 
     def __init__(self, key: str, wp: int, job: WriteJob, desired: KafkaInputPartition | None,
-                 descs: Sequence[tuple[int, int, bytes]], quarantine: Sequence[tuple[int, int, int, str]]) -> None:
+                 descs: Sequence[tuple[int, int, bytes]], quarantine: Sequence[tuple[int, int, int, str]],
+                 offset: int = 0) -> None:
         self.key = key
         self.wp = wp
+        #: where the desired partition's range starts in this micro-batch (its offsets so far)
+        self.offset = offset
         self.job = job
         self.desired = desired
         #: the sink's descriptions ``(partition, offset, value)`` of ``descs``, in order
@@ -211,7 +214,8 @@ class WriteFleetReader(FleetStreamReader):
             quarantine = [(int(q[0]), int(q[1]), int(q[2]), str(q[3])) for q in m.get("quarantine", [])]
             for wp in sorted(wps):
                 again = [(int(p), int(o), base64.b64decode(v)) for p, o, v in replay.get(key, {}).get(str(wp), {}).get("descs", [])]
-                units.append(WriteUnit(key, wp, job, desired.get((key, wp)), again + new, quarantine))
+                units.append(WriteUnit(key, wp, job, desired.get((key, wp)), again + new, quarantine,
+                                       offset=s.get(key, {}).get(wp, 0)))
         return pack_units(units, self.options.min_records_per_task, self.parallelism)
 
     def _count(self, m: Mapping[str, Any]) -> int:
@@ -280,8 +284,9 @@ class WriteFleetReader(FleetStreamReader):
         try:
             fn = decode_partition(job.sink.desired_topic, job.schema_json, route_to=job.partitions, executor=False,
                                   quarantine=list(u.quarantine), only_wp=u.wp)
+            desired = _unproven_without_state(u)
             raw = itertools.chain(
-                self._read_one(u.desired) if u.desired is not None else iter(()),
+                self._read_one(desired) if desired is not None else iter(()),
                 [_control_batch(job.descs_topic, u.descs)] if u.descs else [],
             )
             out = list(run_write_step(job, u.wp, batch_id, fn(raw)))
@@ -296,6 +301,26 @@ class WriteFleetReader(FleetStreamReader):
             row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
             return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
         return [_with_sink(b, u.key) for b in out if b.num_rows]
+
+
+def _unproven_without_state(u: WriteUnit) -> KafkaInputPartition | None:
+    """The unit's desired range; for a writer partition without any state version whose range
+    starts past offset 0 (its state folder was lost while the query's offsets went on), the
+    range with ``[0, start)`` marked lost: the writer cannot prove it saw that history and
+    refuses to write until an operator adopts the shard (never a retraction of rows it did not
+    see), as a per-sink query that lost its checkpoint does."""
+    from shared.spark.state_files import WriterStateFiles
+
+    d = u.desired
+    if d is not None and d.lost_from is not None:
+        return d
+    start = d.start if d is not None else u.offset
+    if start <= 0:
+        return d
+    if WriterStateFiles(u.job.checkpoint, u.job.settings.s3).versions(u.wp):
+        return d
+    topic = u.job.sink.desired_topic
+    return KafkaInputPartition(topic, u.wp, start, d.end if d is not None else start, lost_from=0)
 
 
 def _control_batch(topic: str, descs: Sequence[tuple[int, int, bytes]]) -> pa.RecordBatch:

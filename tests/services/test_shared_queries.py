@@ -19,7 +19,6 @@ import pytest
 
 from services.runtime.fleet import sink_key
 from shared.devstack.embedded import EmbeddedStack
-from shared.shard import Shard
 from tests.services.test_sink_e2e import (
     DEADLINE_S,
     POLL_S,

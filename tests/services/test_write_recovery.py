@@ -93,6 +93,14 @@ def offsets_log(checkpoint: Path) -> dict[int, dict[str, dict[str, int]]]:
     return out
 
 
+def write_query(settings: Any, sink_id: str, epoch: int, topic: str) -> tuple[Path, str]:
+    """The write query's checkpoint and the key its offsets give the sink's desired topic: the
+    sink's own query, or the shared query (``SHARDSINK_QUERIES=shared``: ``<sink>@<epoch>``)."""
+    if settings.queries == "shared":
+        return Path(settings.checkpoint_dir) / "write-shared" / "query-0of1", f"{sink_id}@{epoch}"
+    return Path(settings.checkpoint_dir) / "write" / f"{sink_id}-e{epoch}", topic
+
+
 def committed(checkpoint: Path) -> int:
     return max(int(f.name) for f in (checkpoint / "commits").iterdir() if f.name.isdigit())
 
@@ -107,7 +115,7 @@ def test_a_killed_writer_resumes_from_its_checkpoint_after_short_and_long_histor
     sink_id, topic = crash_setup["sink_id"], crash_setup["topic"]
     shard = Shard.open(s.store(), crash_setup["collection"])
     epoch = s.catalog().state().sink(sink_id).epoch
-    ckpt = Path(s.checkpoint_dir) / "write" / f"{sink_id}-e{epoch}"
+    ckpt, key = write_query(s, sink_id, epoch, topic)
     work = SteadyWork(DesiredProducer(s.kafka, topic, SCHEMA), seed=5)
     for p in procs.values():
         p.start()
@@ -122,7 +130,7 @@ def test_a_killed_writer_resumes_from_its_checkpoint_after_short_and_long_histor
             write.kill()
             last = committed(ckpt)
             before = offsets_log(ckpt)
-            resume_from = before[last][topic]
+            resume_from = before[last][key]
             assert sum(resume_from.values()) >= history, (
                 f"expected the checkpoint to reflect the {history} updates read, found {resume_from}"
             )
@@ -136,7 +144,7 @@ def test_a_killed_writer_resumes_from_its_checkpoint_after_short_and_long_histor
                 if b <= last:
                     assert after[b] == before[b], f"expected batch {b} unchanged by the restart"
                     continue
-                start = after[b - 1][topic]
+                start = after[b - 1][key]
                 low = {p: o for p, o in start.items() if o < resume_from.get(p, 0)}
                 assert not low, (
                     f"expected batch {b} after the restart to start at or above the checkpoint "

@@ -140,6 +140,14 @@ def env(stack: EmbeddedStack, spark: Any, tmp_path_factory: pytest.TempPathFacto
         base.stop()
 
 
+def write_state(settings: Any, sink_id: str, epoch: int) -> Path:
+    """Where the writer keeps a sink epoch's state: its query's checkpoint, or its folder beside
+    the shared query's (``SHARDSINK_QUERIES=shared``)."""
+    if settings.queries == "shared":
+        return Path(settings.checkpoint_dir) / "write-shared" / f"{sink_id}-e{epoch}"
+    return Path(settings.checkpoint_dir) / "write" / f"{sink_id}-e{epoch}"
+
+
 def test_lost_history_never_retracts_and_the_adopted_baseline_corrects_again(
     env: dict[str, Any], unique_id: str
 ) -> None:
@@ -196,7 +204,7 @@ def test_lost_history_never_retracts_and_the_adopted_baseline_corrects_again(
         # -- case b: the checkpoint is lost too -------------------------------------------------
         writer.stop()
         epoch = settings.catalog().state().sink(sid).epoch
-        ckpt = Path(settings.checkpoint_dir) / "write" / f"{sid}-e{epoch}"
+        ckpt = write_state(settings, sid, epoch)
         assert ckpt.is_dir(), f"expected the durable write checkpoint at {ckpt}"
         shutil.rmtree(ckpt)
         held_upper, held = upper(), contents(shard, upper())
@@ -245,7 +253,7 @@ def test_lost_history_never_retracts_and_the_adopted_baseline_corrects_again(
         assert mine and "refusing" not in mine[0], status.stdout
         # The old epoch's checkpoint is gone; the new one exists.
         wait_for(lambda: not ckpt.exists(), "the old epoch's write checkpoint removed")
-        assert (Path(settings.checkpoint_dir) / "write" / f"{sid}-e{new_epoch}").is_dir()
+        assert write_state(settings, sid, new_epoch).is_dir()
     finally:
         writer.stop()
         settings.catalog().drop_sink(sid)
