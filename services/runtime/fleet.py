@@ -194,10 +194,12 @@ class Fleet:
                     self.on_members(members)
                 except Exception as e:  # noqa: BLE001 - the driver makes them at its next micro-batch
                     log.warning("%s: preparing the new members failed: %s", self.name, e)
-            joined = sorted(set(members) - set(old))
-            left = sorted(set(old) - set(members))
-            if joined or left:
-                log.info("%s serves %d sinks (joined %s, left %s)", self.name, len(members), joined, left)
+            for key in sorted(set(members) - set(old)):
+                log.info("%s takes the sink (epoch %d; %d sinks now)", self.name, members[key].epoch, len(members),
+                         extra={"sink_id": members[key].sink_id})
+            for key in sorted(set(old) - set(members)):
+                log.info("%s leaves the sink (epoch %d; %d sinks now)", self.name, old[key].epoch, len(members),
+                         extra={"sink_id": old[key].sink_id})
         if self.reap is not None and (not self._reaped or set(old) - set(members)):
             self._reaped = True
             try:

@@ -89,6 +89,12 @@ class ServicesCollector(Collector):
             for sink_id, a in list(s.appenders.items()):
                 c.add_metric([sink_id], getattr(a.metrics, field))
             yield c
+        failing = GaugeMetricFamily("shardsink_sink_failing", "1 while a sink is held by a failure of its own "
+                                    "(shared queries: the other sinks go on)", labels=["service", "sink"])
+        for service, keys in (s.failing() if hasattr(s, "failing") else {}).items():
+            for key in keys:
+                failing.add_metric([service, key.rsplit("@", 1)[0]], 1)
+        yield failing
         dur = GaugeMetricFamily("shardsink_microbatch_duration_ms", "last micro-batch duration", labels=["query"])
         for sup in list(getattr(s, "supervisors", [])):
             for runner in list(sup.running.values()):
@@ -99,6 +105,14 @@ class ServicesCollector(Collector):
                     prog = None
                 if prog and "durationMs" in prog:
                     dur.add_metric([str(prog.get("name") or q.name)], float(prog["durationMs"].get("triggerExecution", 0)))
+        for fleet in list(getattr(s, "fleets", {}).values()):
+            q = fleet.query
+            try:
+                prog = q.lastProgress if q is not None else None
+            except Exception:  # noqa: BLE001 - a stopped query has no progress
+                prog = None
+            if prog and "durationMs" in prog:
+                dur.add_metric([str(prog.get("name") or q.name)], float(prog["durationMs"].get("triggerExecution", 0)))
         yield dur
 
 

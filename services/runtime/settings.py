@@ -181,9 +181,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sink_shard",                    "SHARDSINK_SINK_SHARD",              "--sink-shard",              "0/1", SinkShard.parse,
             "i/n: this instance serves the sinks whose stable hash of the id is i modulo n (n instances split "
             "the sinks with no overlap and no gap, see docs/scaling.md); 0/1: every sink"),
-    Setting("queries",                       "SHARDSINK_QUERIES",                 "--queries",                 "per-sink", _query_mode,
-            "per-sink: each service runs one streaming query per sink; shared: one streaming query per service "
-            "serves every sink of the instance, and sinks join and leave it without a restart (docs/scaling.md)"),
+    Setting("queries",                       "SHARDSINK_QUERIES",                 "--queries",                 "shared", _query_mode,
+            "shared: one streaming query per service serves every sink of the instance, and sinks join and leave "
+            "it without a restart (docs/scaling.md); per-sink: each service runs one streaming query per sink"),
     _elsewhere("SHARDSINK_SPARK_KAFKA_CONNECTOR", "shardsink (default) or builtin (spark-sql-kafka jar)"),
     # -- test only ------------------------------------------------------------------------------------------
     Setting("faults",                        "SHARDSINK_FAULTS",                  None,                        "", _faults,

@@ -69,7 +69,10 @@ RETRY_S = 2.0
 JOIN_LOOKBACK = 10_000
 #: A description weighs as much as this many records when units are packed into tasks (it
 #: costs a read-back of the shard and a staged part).
-DESCRIPTION_WEIGHT = 5_000
+DESCRIPTION_WEIGHT = 1_000
+#: At most this many tasks per core in a micro-batch: a task costs a round trip to a Python
+#: worker, and a unit's time is mostly S3 and Kafka round trips, which a task's threads overlap.
+TASKS_PER_CORE = 4
 _RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
                          ("partition", pa.int32()), ("offset", pa.int64())])
 
@@ -127,22 +130,20 @@ class UnitsPartition(InputPartition):
 
 def pack_units(units: Sequence[WriteUnit], min_weight: int, parallelism: int) -> list[UnitsPartition]:
     """Few tasks: ``ceil(weight / min_weight)`` of them, at least ``parallelism`` (when there
-    are that many sinks), at most one per sink; a sink's units stay in one task (they share the
-    sink's shard context), the heaviest sinks first into the lightest task."""
-    by_sink: dict[str, list[WriteUnit]] = {}
-    for u in units:
-        by_sink.setdefault(u.key, []).append(u)
-    if not by_sink:
+    are that many units), at most one per unit and :data:`TASKS_PER_CORE` per core; the heaviest units first into the lightest
+    task, and a sink's units together in a task where they fit (a task runs different sinks
+    side by side, one sink's units one after the other)."""
+    if not units:
         return []
     total = sum(u.weight for u in units)
-    tasks = max(1, min(len(by_sink), max(parallelism, -(-total // max(1, min_weight)))))
+    tasks = max(1, min(len(units), TASKS_PER_CORE * parallelism, max(parallelism, -(-total // max(1, min_weight)))))
     bins: list[list[WriteUnit]] = [[] for _ in range(tasks)]
     sizes = [0] * tasks
-    for key, us in sorted(by_sink.items(), key=lambda kv: (-sum(u.weight for u in kv[1]), kv[0])):
+    for u in sorted(units, key=lambda u: (-u.weight, u.key, u.wp)):
         i = sizes.index(min(sizes))
-        bins[i].extend(sorted(us, key=lambda u: u.wp))
-        sizes[i] += sum(u.weight for u in us)
-    return [UnitsPartition(b) for b in bins if b]
+        bins[i].append(u)
+        sizes[i] += u.weight
+    return [UnitsPartition(sorted(b, key=lambda u: (u.key, u.wp))) for b in bins if b]
 
 
 class WriteFleetReader(FleetStreamReader):

@@ -56,7 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "test_fail_on_row": None,
     "s3_retry_ms": 60_000,
     "sink_shard": SinkShard(0, 1),
-    "queries": "per-sink",
+    "queries": "shared",
 }
 
 #: field -> (variable, flag, text a user sets, the field's value then).
@@ -97,7 +97,7 @@ OVERRIDES: dict[str, tuple[str | None, str | None, str, Any]] = {
     "test_fail_on_row": ("SHARDSINK_TEST_FAIL_ON_ROW", None, "boom", "boom"),
     "s3_retry_ms": ("SHARDSINK_S3_RETRY_MS", "--s3-retry-ms", "0", 0),
     "sink_shard": ("SHARDSINK_SINK_SHARD", "--sink-shard", "1/2", SinkShard(1, 2)),
-    "queries": ("SHARDSINK_QUERIES", "--queries", "shared", "shared"),
+    "queries": ("SHARDSINK_QUERIES", "--queries", "per-sink", "per-sink"),
 }
 assert set(OVERRIDES) == set(DEFAULTS)
 
@@ -160,7 +160,7 @@ def test_each_variable_sets_its_field(field: str) -> None:
 def test_each_flag_sets_its_field_and_beats_its_variable(field: str) -> None:
     env, flag, text, expected = OVERRIDES[field]
     assert flag is not None
-    env_text = "1" if isinstance(expected, int) else "2/3" if isinstance(expected, SinkShard) else "per-sink" if field == "queries" else "from-the-environment"
+    env_text = "1" if isinstance(expected, int) else "2/3" if isinstance(expected, SinkShard) else "shared" if field == "queries" else "from-the-environment"
     environment = {env: env_text} if env is not None else {}
     settings = ServiceSettings.from_env_and_args(parser().parse_args([flag, text]), environment)
     assert get(settings, field) == expected

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from services.runtime.fleet import sink_key
+from shared.catalog import quarantine_record
 from shared.devstack.embedded import EmbeddedStack
 from tests.services.test_sink_e2e import (
     DEADLINE_S,
@@ -184,7 +185,10 @@ def test_one_failing_sink_is_held_alone_and_named_while_the_others_converge(h: H
             s.work.step(n=10)
         converge(h, good)
     # The failing sink is named, and held where it was.
-    key = sink_key(h.settings.catalog().state().sinks[bad.sid])
-    assert key in h.services.failing().get("write", {}), h.services.failing()
+    sink = h.settings.catalog().state().sinks[bad.sid]
+    assert sink_key(sink) in h.services.failing().get("write", {}), h.services.failing()
+    # `shardsink status` names it too: its failing input, from the sink's quarantine record.
+    failing = quarantine_record(h.settings.store(), bad.sid, sink.epoch)["failing"]
+    assert failing is not None and FAIL_MARK in failing["reason"], failing
     assert bad.check() == stuck_at
     assert sum(f.restarts for f in h.services.fleets.values()) == 0
