@@ -73,6 +73,8 @@ DESCRIPTION_WEIGHT = 1_000
 #: At most this many tasks per core in a micro-batch: a task costs a round trip to a Python
 #: worker, and a unit's time is mostly S3 and Kafka round trips, which a task's threads overlap.
 TASKS_PER_CORE = 4
+#: Threads a task runs its sinks' units on (their time is mostly S3 and Kafka round trips).
+UNIT_THREADS = 4
 _RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
                          ("partition", pa.int32()), ("offset", pa.int64())])
 
@@ -274,7 +276,7 @@ class WriteFleetReader(FleetStreamReader):
 
         groups = list(by_sink.values())
         if len(groups) > 1:
-            with ThreadPoolExecutor(max_workers=min(4, len(groups))) as ex:
+            with ThreadPoolExecutor(max_workers=min(UNIT_THREADS, len(groups))) as ex:
                 results = list(ex.map(run, groups))
         else:
             results = [run(g) for g in groups]
