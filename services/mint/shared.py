@@ -267,11 +267,22 @@ def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet,
         wait_for_records_ms=settings.source_wait_ms,
     )
 
+    from shared.spark.fleet_source import write_holds
+
+    write_holds(fleet.members_file, set())  # nothing held at the start
+    holding: list[set[str]] = [set()]
+
     def each(batch_df: Any, batch_id: int) -> None:
         logged = planned_offsets(states.files, batch_id)
         ranges = planned_ranges(states.files, batch_id, logged) if logged is not None else None
         mint.process(ranges)
         states.save(batch_id, mint.checkpoint())
+        # A sink with a description in flight cannot use its desired records until its upper
+        # moves (announced on frontiers, which ends the hold): the source holds them back.
+        held = {sink_key(m.sink) for m in list(mint.registry.values()) if not m.wants_desired()}
+        if held != holding[0]:
+            write_holds(fleet.members_file, held)
+            holding[0] = held
 
     name = f"mint-shared-{settings.sink_shard.index}of{settings.sink_shard.count}"
     return (

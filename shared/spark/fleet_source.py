@@ -120,33 +120,39 @@ class FleetStreamReader(KafkaStreamReader):
             end = cap(s, end, int(limit.max_rows))
         return end
 
+    def held_keys(self) -> set[str]:
+        """The members whose records are held back now (``hold``: every member)."""
+        return set(self.members()) if self.hold else set()
+
     def next_end(self, s: Offsets, limit: ReadLimit) -> Offsets:
         end = self._end(s, limit)
-        if not self.hold or self._target is not None:
+        held = self.held_keys()
+        if not held or self._target is not None:
             return end
         now = time.monotonic()
         control = set(self.options.topics)
         news = any(o > s.get(t, {}).get(p, 0) for t in control for p, o in end.get(t, {}).items())
-        waiting = sum(max(0, o - s.get(k, {}).get(p, 0)) for k, ps in end.items() if k not in control for p, o in ps.items())
+        waiting = sum(max(0, o - s.get(k, {}).get(p, 0)) for k, ps in end.items() if k in held for p, o in ps.items())
         full = isinstance(limit, ReadMaxRows) and waiting >= int(limit.max_rows)
         if news or full or now - self._admitted >= self.admit_every_s:
             self._admitted = now
             return end
-        return {k: (ps if k in control else {p: s[k][p] if p in s.get(k, {}) else o for p, o in ps.items()})
+        return {k: (ps if k not in held else {p: s[k][p] if p in s.get(k, {}) else o for p, o in ps.items()})
                 for k, ps in end.items()}
 
     def wait_budget(self) -> float:
         budget = super().wait_budget()
-        if not self.hold:
+        if not self.held_keys():
             return budget
         return max(0.0, min(budget, self.admit_every_s - (time.monotonic() - self._admitted)))
 
     def watched(self) -> dict[tuple[str, int], int]:
         """The partitions whose next record makes a micro-batch (by topic, as a wait reads them)."""
         members = {k: str(m["desired_topic"]) for k, m in self.members().items()}
+        held = self.held_keys()
         out: dict[tuple[str, int], int] = {}
         for k, ps in (self._latest or {}).items():
-            if k in members and self.hold:
+            if k in held:
                 continue
             for p, e in ps.items():
                 out[(members.get(k, k), p)] = e
@@ -192,15 +198,43 @@ class FleetStreamReader(KafkaStreamReader):
         return out
 
 
+#: Beside the members file: the keys whose records the query's driver holds back now (JSON list).
+HOLDS_FILE = "holds.json"
+
+
+class HoldFileReader(FleetStreamReader):
+    """Holds back the members the driver lists in :data:`HOLDS_FILE` (mint: a sink whose
+    description is in flight cannot use its desired records until its upper moves, which news
+    on ``frontiers`` announces)."""
+
+    def held_keys(self) -> set[str]:
+        path = os.path.join(os.path.dirname(self.members_file), HOLDS_FILE)
+        try:
+            with open(path) as f:
+                return set(json.load(f)) & set(self.members())
+        except (OSError, ValueError, TypeError):
+            return set()
+
+
+def write_holds(members_file: str, keys: set[str]) -> None:
+    """Say which members the driver holds back (a temporary file renamed into place)."""
+    path = os.path.join(os.path.dirname(members_file), HOLDS_FILE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(sorted(keys), f)
+    os.replace(tmp, path)
+
+
 class FleetDataSource(KafkaDataSource):
-    """``shardsink-fleet``: a streaming reader only (:class:`FleetStreamReader`, no holding)."""
+    """``shardsink-fleet``: a streaming reader only (:class:`HoldFileReader`)."""
 
     @classmethod
     def name(cls) -> str:
         return "shardsink-fleet"
 
     def streamReader(self, schema: Any) -> FleetStreamReader:
-        return FleetStreamReader(SourceOptions.parse(self.options), members_option(self.options))
+        return HoldFileReader(SourceOptions.parse(self.options), members_option(self.options))
 
 
 def members_option(options: Mapping[str, str]) -> str:
