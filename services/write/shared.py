@@ -97,7 +97,8 @@ class SharedWrite:
 
     def handle(self, rows: pa.Table) -> None:
         members = self.fleet.members()
-        replay = {k: v for k, v in self.replay.items() if k in members}
+        # A copy to the writer partitions' entries: the file is rewritten when they change.
+        replay = {k: {wp: dict(r) for wp, r in v.items()} for k, v in self.replay.items() if k in members}
         keys = rows["sink"].to_pylist() if rows.num_rows else []
         for key in sorted(set(keys)):
             sub = rows.filter(pc.equal(rows["sink"], key))

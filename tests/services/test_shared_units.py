@@ -44,3 +44,69 @@ def test_descriptions_weigh_as_reads_and_spread_over_at_most_four_tasks_per_core
     assert placed(tasks) == Counter((u.key, u.wp) for u in units)
     many = [unit(f"s{k}", wp, 0, descs=1) for k in range(100) for wp in range(2)]
     assert len(pack_units(many, DESCRIPTION_WEIGHT, 2)) == 8
+
+
+class _Producer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        self.sent.append((topic, value))
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        pass
+
+
+class _Fleet:
+    def __init__(self, members: dict, members_file: str) -> None:
+        self._m = members
+        self.members_file = members_file
+
+    def members(self) -> dict:
+        return dict(self._m)
+
+
+def _rows(key: str, wp: int, kind: str, body: str) -> "pa.Table":
+    import pyarrow as pa
+
+    from services.write.shared_source import SHARED_OUTPUT_SCHEMA
+
+    return pa.Table.from_pylist([{"sink": key, "wp": wp, "kind": kind, "body": body}], schema=SHARED_OUTPUT_SCHEMA)
+
+
+def test_a_failed_unit_is_replayed_until_it_succeeds_then_the_replay_file_forgets_it(tmp_path, monkeypatch) -> None:
+    import json
+
+    from services.runtime.settings import ServiceSettings
+    from services.write import shared as shared_write
+    from services.write.driver import SinkWriter
+    from services.write.shared_source import read_replay
+    from shared.catalog import SinkDef
+
+    monkeypatch.setattr(shared_write, "count_sink_failure", lambda *a, **k: 1)
+    settings = ServiceSettings.from_env_and_args(None, {"SHARDSINK_QUARANTINE_AFTER": "0"})
+    sink = SinkDef("s1", "d1", "c1", epoch=3)
+    key = "s1@3"
+    fleet = _Fleet({key: sink}, str(tmp_path / "members.json"))
+    producer = _Producer()
+    registry = {"s1": SinkWriter(sink=sink, settings=settings, partitions=2, producer=producer)}  # type: ignore[arg-type]
+    app = shared_write.SharedWrite(settings, fleet, registry, producer)  # type: ignore[arg-type]
+
+    failure = {"error": "RuntimeError: boom", "trace": "", "from": 40, "end": 55, "descs": [[0, 7, "ZA=="]]}
+    app.handle(_rows(key, 1, "fail", json.dumps(failure)))
+    assert read_replay(app.replay_file) == {key: {"1": {"from": 40, "descs": [[0, 7, "ZA=="]]}}}
+    assert app.failing == {key: {1: (1, "RuntimeError: boom")}}
+
+    app.handle(_rows(key, 1, "fail", json.dumps({**failure, "end": 60})))  # fails again: still held
+    assert read_replay(app.replay_file)[key]["1"]["from"] == 40 and app.failing[key][1][0] == 2
+
+    app.handle(_rows(key, 0, "fail", json.dumps({**failure, "from": 12, "end": 30})))  # its other partition too
+    assert sorted(read_replay(app.replay_file)[key]) == ["0", "1"]
+
+    stats = {"desired_updates": 3, "decode_errors": 0, "contract_violations": 0, "buffer_updates": 0, "buffer_bytes": 0}
+    app.handle(_rows(key, 1, "stats", json.dumps(stats)))  # one replayed unit succeeded: never replayed again
+    assert read_replay(app.replay_file) == {key: {"0": {"from": 12, "descs": [[0, 7, "ZA=="]]}}}
+    assert list(app.failing[key]) == [0]
+    app.handle(_rows(key, 0, "stats", json.dumps(stats)))
+    assert read_replay(app.replay_file) == {}
+    assert app.failing == {}
