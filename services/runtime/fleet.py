@@ -32,7 +32,7 @@ from typing import Any
 
 from services.runtime.checkpoints import checkpoint_owner
 from services.runtime.settings import ServiceSettings
-from services.runtime.supervisor import _STOPPING, _STOPPING_LOCK
+from services.runtime.supervisor import stop_query
 from shared.catalog import Catalog, SinkDef
 
 log = logging.getLogger("shardsink")
@@ -245,19 +245,7 @@ class Fleet:
         if self._thread is not None:
             self._thread.join(timeout=10)
         q, self.query = self.query, None
-        if q is not None:
-            name = None
-            try:
-                name = q.name
-                with _STOPPING_LOCK:
-                    _STOPPING.add(name)
-                q.stop()
-            except Exception as e:  # noqa: BLE001 - stopping a failed query may raise again
-                log.warning("stopping the shared %s query: %s", self.name, e)
-            finally:
-                if name is not None:
-                    with _STOPPING_LOCK:
-                        _STOPPING.discard(name)
+        stop_query(q)
 
 
 @dataclass

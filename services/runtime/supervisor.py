@@ -150,19 +150,7 @@ class Supervisor:
             return False
 
     def _stop_runner(self, runner: SinkRunner) -> None:
-        name = None
-        try:
-            if runner.query is not None:
-                name = runner.query.name
-                with _STOPPING_LOCK:  # whatever its micro-batch fails with now is this stop
-                    _STOPPING.add(name)
-                runner.query.stop()
-        except Exception as e:  # noqa: BLE001 - stopping a failed query may raise again
-            log.warning("stopping query: %s", e, extra={"sink_id": runner.sink.sink_id})
-        finally:
-            if name is not None:
-                with _STOPPING_LOCK:
-                    _STOPPING.discard(name)
+        stop_query(runner.query, extra={"sink_id": getattr(runner.sink, "sink_id", None)})
 
     def run_forever(self) -> None:
         while not self._stop.is_set():
@@ -184,6 +172,25 @@ class Supervisor:
         for runner in list(self.running.values()):
             self._stop_runner(runner)
         self.running.clear()
+
+
+def stop_query(query: Any, extra: dict[str, Any] | None = None) -> None:
+    """Stop a query, marked as being stopped meanwhile (see :func:`interruptible`): whatever its
+    micro-batch fails with now is this stop. A failed query that raises again is logged."""
+    if query is None:
+        return
+    name = None
+    try:
+        name = query.name
+        with _STOPPING_LOCK:
+            _STOPPING.add(name)
+        query.stop()
+    except Exception as e:  # noqa: BLE001 - stopping a failed query may raise again
+        log.warning("stopping query %s: %s", name, e, extra=extra)
+    finally:
+        if name is not None:
+            with _STOPPING_LOCK:
+                _STOPPING.discard(name)
 
 
 #: Java exceptions that mean "interrupted" (a query being stopped interrupts its thread).
