@@ -295,6 +295,10 @@ class Shard:
             return self._log.head(max_age_s=max_age_s)
         return self.refresh()
 
+    def cached(self) -> ShardState | None:
+        """The head this handle read last (None: none yet), without a round trip."""
+        return self._log.cached()
+
     @property
     def state(self) -> ShardState:
         return self.refresh()

@@ -92,6 +92,9 @@ class SinkAppender:
     producer: ControlProducer
     metrics: AppendMetrics
     _to_delete: list[StagedBatch] = field(default_factory=list)
+    #: Flush the producer after each step (False: the shared query flushes once per
+    #: micro-batch for every sink, before it saves the micro-batch's state).
+    flush_each: bool = True
 
     @staticmethod
     def create(sink: SinkDef, settings: ServiceSettings, producer: ControlProducer | None = None) -> SinkAppender:
@@ -142,7 +145,8 @@ class SinkAppender:
                     "updated_at_ms": int(time.time() * 1000),
                 }
                 self.producer.send(self.settings.frontiers_topic, message_codec("frontier_update").encode(msg), key=self.sink.collection_id.encode())
-        self.producer.flush()
+        if self.flush_each:
+            self.producer.flush()
 
     def delete_decided(self) -> None:
         """Delete the staged parts decided so far (parts a committed batch references are

@@ -98,6 +98,7 @@ class SharedAppend:
         a = self.registry.get(sink.sink_id)
         if a is None or sink_key(a.sink) != key:
             a = SinkAppender.create(sink, self.settings, self.producer)
+            a.flush_each = False  # one flush per micro-batch (process)
             if saved is not None:
                 a.state = AppendState.restore(saved)
             else:
@@ -161,6 +162,9 @@ class SharedAppend:
                 outcomes = list(ex.map(run, work))
         else:
             outcomes = [run(w) for w in work]
+        # The announcements of every sink go out on one flush (a flush waits for the shared
+        # producer's every message anyway).
+        self.producer.flush()
         for (key, a, msgs), e in zip(work, outcomes, strict=True):
             fails = self.failing.get(key)
             if e is not None:

@@ -68,11 +68,16 @@ from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.shard import Shard
 from shared.mint_state import MintState
+from shared.sink_messages import as_frontier
 
 log = logging.getLogger("shardsink.mint")
 
 #: The longest mint goes without reading the shard's state (see :meth:`SinkMinter.process`).
 SHARD_REFRESH_S = 1.0
+#: With :attr:`SinkMinter.backoff` (the shared query's minters), a sink waiting for its upper
+#: reads the shard after 1 s, then after twice as long each time the upper has not moved, up
+#: to this: the appenders' announcements carry the uppers; the reads only cover a lost one.
+SHARD_REFRESH_MAX_S = 8.0
 
 
 @dataclass
@@ -91,6 +96,15 @@ class SinkMinter:
     #: module docstring).
     unread: dict[int, tuple[int, int]] = field(default_factory=dict)
     desired_reads: int = 0
+    #: Back off the reads of a waiting sink's shard (:data:`SHARD_REFRESH_MAX_S`).
+    backoff: bool = False
+    #: The current wait between reads of the shard while the upper does not move.
+    refresh_every: float = SHARD_REFRESH_S
+
+    def refresh_due(self, now: float) -> bool:
+        """Whether the shard's state is due to be read again (never read, or read
+        :attr:`refresh_every` ago)."""
+        return self.refreshed_at is None or now - self.refreshed_at >= self.refresh_every
 
     def note_unread(self, partition: int, start: int, end: int) -> None:
         """A micro-batch planned ``[start, end)`` of a desired partition."""
@@ -154,10 +168,14 @@ class SinkMinter:
         )
         return SinkMinter(sink, settings, shard, state, producer or ControlProducer.create(settings.kafka, f"mint-{sink.sink_id}"))
 
-    def process(self, table: pa.Table, read_unread: Callable[[dict[int, tuple[int, int]]], pa.Table] | None = None) -> None:
+    def process(self, table: pa.Table, read_unread: Callable[[dict[int, tuple[int, int]]], pa.Table] | None = None,
+                announced: Sequence[Any] | None = None, flush: bool = True) -> None:
         """One micro-batch: ``table`` holds its decoded records (all of them, or without the
         desired ranges noted unread, which ``read_unread`` reads and decodes when they can
-        matter)."""
+        matter). ``announced``: the uppers the micro-batch's announcements carry (decoded by
+        the caller; an int, or None for the empty frontier): absorbed as read, so an
+        announcement costs no read of the shard. ``flush``: False when the caller flushes the
+        shared producer once for every sink (before it saves the micro-batch's state)."""
         kinds = table["kind"].to_pylist()
         topics = table["topic"].to_pylist()
         self.absorb_progress(table)
@@ -173,10 +191,21 @@ class SinkMinter:
         # below the upper), never a wrong append.
         news = any(k == KIND_CONTROL and t == self.settings.frontiers_topic for k, t in zip(kinds, topics, strict=True))
         now = time.monotonic()
-        if news or self.refreshed_at is None or now - self.refreshed_at >= SHARD_REFRESH_S:
+        if announced:
+            # An announced upper is one the shard reached (uppers only move forward): as good
+            # as a read, and free. A later append of another replica shows at the next read.
+            for upper in announced:
+                self.state.absorb_shard_upper(as_frontier(upper))
+            self.refreshed_at = now
+            self.refresh_every = SHARD_REFRESH_S
+        elif news or self.refresh_due(now):
+            before = self.state.persist_frontier
             self.state.absorb_shard_upper(self.shard.refresh().upper)
             self.refreshed_at = now
             self.shard_refreshes += 1
+            if self.backoff:
+                moved = before.less_than(self.state.persist_frontier)
+                self.refresh_every = SHARD_REFRESH_S if moved else min(SHARD_REFRESH_MAX_S, 2 * self.refresh_every)
         if self.unread and read_unread is not None and self.wants_desired():
             self.absorb_progress(read_unread(self.unread))
             self.unread = {}
@@ -188,7 +217,8 @@ class SinkMinter:
                 message_codec("batch_description").encode(desc.to_dict()),
                 key=self.sink.sink_id.encode(),
             )
-            self.producer.flush()
+            if flush:
+                self.producer.flush()
             self.minted += 1
             log.debug("minted [%s, %s)", desc.lower, desc.upper, extra={"sink_id": self.sink.sink_id})
         self.micro_batches += 1

@@ -8,9 +8,12 @@ latest progress statement from the range's tail (:func:`services.sinkio.latest_p
 the partitions of all sinks concurrently), routes the ``frontiers`` announcements by sink id,
 and runs the sink's :class:`services.mint.service.SinkMinter` (the per-sink contract of
 :mod:`services.mint.service` is unchanged: strictly increasing lowers, a new epoch per start).
-A member with nothing new costs nothing, except a sink waiting for its upper to move, whose
-shard is read at least every :data:`services.mint.service.SHARD_REFRESH_S` in case an
-announcement was lost.
+An announcement on ``frontiers`` carries its shard's new upper, which every member sink of the
+collection absorbs as read (no read of the shard). A member with nothing new costs nothing,
+except a sink waiting for its upper to move, whose shard is read in case an announcement was
+lost: after :data:`services.mint.service.SHARD_REFRESH_S`, then twice as long each time the upper
+has not moved, up to :data:`services.mint.service.SHARD_REFRESH_MAX_S`. The micro-batch's
+descriptions go out on one flush.
 
 State: per member (``<sink>@<epoch>``), the minter's state and its unread ranges, saved with
 each micro-batch's offsets. Failure isolation: a member whose tail cannot be read keeps the
@@ -29,7 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.mint.service import SHARD_REFRESH_S, SinkMinter
+from services.mint.service import SinkMinter
 from services.runtime.driver_state import DriverStateLog, planned_offsets
 from services.runtime.fleet import Fleet, sink_key
 from services.runtime.settings import ServiceSettings
@@ -94,6 +97,7 @@ class SharedMint:
             if saved is not None:
                 m.state.restore(saved)
                 m.unread = {int(p): (int(a), int(b)) for p, (a, b) in saved.get("unread", {}).items()}
+            m.backoff = True  # the announcements carry the uppers: reads only cover a lost one
             self.registry[sink.sink_id] = m
         if m.state.read_only and not sink.read_only:
             m.state.allow_writes()
@@ -136,17 +140,21 @@ class SharedMint:
             first = False
         frontier_ranges = [r for r in ranges if r[0] == s.frontiers_topic]
         desired = [r for r in ranges if r[0] in members]
-        # Announcements by sink id.
+        # Announcements by shard: every sink of the collection learns the upper, whoever
+        # appended (another replica, or the controller).
         announced: dict[str, list[tuple[int, bytes]]] = {}
+        uppers: dict[str, list[Any]] = {}
         if frontier_ranges:
             raw = read_ranges(s.kafka, frontier_ranges)
             codec = message_codec("frontier_update")
             for off, value in zip(raw["offset"].to_pylist(), raw["value"].to_pylist(), strict=True):
                 try:
-                    sid = str(codec.decode(value or b"")["sink_id"])
+                    msg = codec.decode(value or b"")
+                    shard_id, upper = str(msg["shard_id"]), msg["upper"]
                 except (DecodeError, ShardsinkError, KeyError, TypeError):
                     continue
-                announced.setdefault(sid, []).append((off, value))
+                announced.setdefault(shard_id, []).append((off, value))
+                uppers.setdefault(shard_id, []).append(upper)
 
         def tail(r: tuple[str, int, int, int]) -> Any:
             key, p, a, b = r
@@ -172,7 +180,7 @@ class SharedMint:
         now = time.monotonic()
         work: list[tuple[str, Any, SinkMinter]] = []
         for key, sink in sorted(members.items()):
-            news = key in statements or key in unread or sink.sink_id in announced
+            news = key in statements or key in unread or sink.collection_id in announced
             try:
                 m = self.minter(key)
             except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
@@ -180,7 +188,7 @@ class SharedMint:
                 continue
             if m is None:
                 continue
-            waiting = not m.state.persist_advanced() and (m.refreshed_at is None or now - m.refreshed_at >= SHARD_REFRESH_S)
+            waiting = not m.state.persist_advanced() and m.refresh_due(now)
             if news or first or waiting or m.unread or m.state.read_only:
                 work.append((key, sink, m))  # else nothing new for this sink: it costs nothing
 
@@ -190,7 +198,7 @@ class SharedMint:
                 for p, a, b in unread.get(key, []):
                     m.note_unread(p, a, b)
                 rows = [(t, p, o, v) for t, p, o, v in statements.get(key, [])]
-                rows += [(s.frontiers_topic, 0, o, v) for o, v in announced.get(sink.sink_id, [])]
+                rows += [(s.frontiers_topic, 0, o, v) for o, v in announced.get(sink.collection_id, [])]
                 for _, p, o, _ in statements.get(key, []):
                     m.note_read(p, o)
                 raw = pa.table({
@@ -207,7 +215,8 @@ class SharedMint:
 
                 if first:
                     m.refreshed_at = None  # a new checkpoint: read the shard now
-                m.process(decode_on_driver(raw, topic, progress_only=True), read_unread)
+                m.process(decode_on_driver(raw, topic, progress_only=True), read_unread,
+                          announced=uppers.get(sink.collection_id), flush=False)
             except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
                 return e
             return None
@@ -218,6 +227,9 @@ class SharedMint:
                 outcomes = list(ex.map(run, work))
         else:
             outcomes = [run(w) for w in work]
+        # The micro-batch's descriptions are durable before its state is saved (one flush for
+        # every sink: a flush waits for the shared producer's every message anyway).
+        self.producer.flush()
         for (key, sink, _), e in zip(work, outcomes, strict=True):
             if e is not None:
                 self._failed(key, sink, e)

@@ -470,12 +470,19 @@ class ShardContext:
         )
         self.absorb_unwritable(ws, r)
 
-    def read_back(self, ws: WriteState) -> None:
-        """Absorb (negated) everything the shard gained since the persist frontier."""
+    def read_back(self, ws: WriteState, at_least: Frontier | None = None) -> None:
+        """Absorb (negated) everything the shard gained since the persist frontier.
+        ``at_least``: an upper the shard is known to have reached (the lower of a new
+        description, which mint read from the shard or an announcement): a head cached in this
+        process that has reached it serves (a sink's other writer partition read it moments
+        ago), with no round trip to the store. A newer head only makes the description stale,
+        which the compare-and-append refuses."""
         persist = ws.persist_frontier
         if persist.time is None:
             return
-        state = self.shard.refresh()
+        state = self.shard.cached() if at_least is not None else None
+        if state is None or state.upper.less_than(at_least):
+            state = self.shard.refresh()
         self.follow(ws, state)
         if not persist.less_than(state.upper):
             return

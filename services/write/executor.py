@@ -173,7 +173,8 @@ def _write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -
         # Only a description is decided against the shard's contents: a micro-batch that holds
         # none (most of them, while a description is in flight) leaves the read-back to the
         # one that does, which absorbs every batch appended since, in order.
-        ctx.read_back(ws)
+        lowers = [d.lower for d in descs]
+        ctx.read_back(ws, at_least=max(lowers, key=_frontier_order) if lowers and ws.description is None else None)
     t4 = clock()
     for d in descs:
         ws.absorb_description(d)
@@ -204,6 +205,11 @@ def _write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -
     }
     out.append({"wp": wp, "kind": "stats", "body": json.dumps(stats)})
     return out
+
+
+def _frontier_order(f: Frontier) -> tuple[int, int]:
+    """A frontier's place in time order (the empty frontier last)."""
+    return (1, 0) if f.time is None else (0, f.time)
 
 
 def write_batches(job: WriteJob, batch_id: int) -> Any:

@@ -139,12 +139,24 @@ def pack_units(units: Sequence[WriteUnit], min_weight: int, parallelism: int) ->
         return []
     total = sum(u.weight for u in units)
     tasks = max(1, min(len(units), TASKS_PER_CORE * parallelism, max(parallelism, -(-total // max(1, min_weight)))))
+    # A sink's units go together when they weigh no more than a task's share: they run one
+    # after the other on one thread, and the second finds the shard's head the first read.
+    share = total / tasks
+    by_sink: dict[str, list[WriteUnit]] = {}
+    for u in units:
+        by_sink.setdefault(u.key, []).append(u)
+    items: list[list[WriteUnit]] = []
+    for group in by_sink.values():
+        if sum(u.weight for u in group) <= share:
+            items.append(group)
+        else:
+            items.extend([u] for u in group)
     bins: list[list[WriteUnit]] = [[] for _ in range(tasks)]
     sizes = [0] * tasks
-    for u in sorted(units, key=lambda u: (-u.weight, u.key, u.wp)):
+    for item in sorted(items, key=lambda g: (-sum(u.weight for u in g), g[0].key, g[0].wp)):
         i = sizes.index(min(sizes))
-        bins[i].append(u)
-        sizes[i] += u.weight
+        bins[i].extend(item)
+        sizes[i] += sum(u.weight for u in item)
     return [UnitsPartition(sorted(b, key=lambda u: (u.key, u.wp))) for b in bins if b]
 
 

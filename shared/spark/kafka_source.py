@@ -66,6 +66,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -594,8 +595,8 @@ offsets saves a third of the per-record work)."""
         "fetch.wait.max.ms": "5",  # a re-assigned consumer waits out the fetch in flight
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
-    pool_key = (repr(sorted(settings.config(**extra).items())), topic, partition)
-    consumer = _POOL.pop(pool_key, None) or new_consumer(settings, **extra)
+    pool_key = repr(sorted(settings.config(**extra).items()))
+    consumer = _take_pooled(pool_key) or new_consumer(settings, **extra)
     pooled = False
 
     def build(keys: list[Any], vals: list[Any], offs: list[int], tss: list[Any],
@@ -697,37 +698,63 @@ offsets saves a third of the per-record work)."""
                 yield build(keys, vals, offs, tss, hdrs, any_headers)
                 keys, vals, offs, tss, hdrs = [], [], [], [], []
                 any_headers = False
-        # Read to the end: the consumer (connected, with the partition's metadata) serves the
-        # next micro-batch's range of this partition in this worker process.
+        # Read to the end: the consumer (connected, with the metadata of the topics it read)
+        # serves a next range, of any topic and partition, in this process.
         consumer.unassign()  # stops fetching and drops what was prefetched beyond ``end``
-        # Threads of one process (the queries of a driver) may read the same partition: keep
-        # one consumer per key, close the other.
-        pooled = _POOL.setdefault(pool_key, consumer) is consumer
+        pooled = _give_back(pool_key, consumer)
     finally:
         if not pooled:
             consumer.close()
 
 
-#: Consumers kept between micro-batches, per (config, topic, partition), in each Python
-#: worker process (Spark reuses its Python workers): a new consumer costs a connection and a
-#: metadata round trip (about 50 ms per partition per micro-batch on the embedded broker).
-#: A consumer is taken out while in use, so one range never shares it with another; it is
-#: unassigned when a range is read to its end and assigned again at the next range's start. One used by a read that failed or stopped early is closed instead.
-_POOL: dict[tuple[str, str, int], Any] = {}
+#: Consumers kept between reads, per configuration, in each process (Spark reuses its Python
+#: workers; the driver reads ranges for mint and append): a new consumer costs a connection and
+#: a metadata round trip (about 50 ms on the embedded broker), while re-assigning a kept one to
+#: another partition, of any topic, costs a few milliseconds. A consumer is taken out while in
+#: use, so one range never shares it with another; it is unassigned when a range is read to
+#: its end and kept for the next. One used by a read that failed or stopped early is closed
+#: instead, and so is one beyond :data:`POOL_IDLE_MAX` idle ones of its configuration: the
+#: pool is as large as the reads that ran at once, not one consumer (and its threads) per
+#: partition ever read, which a process serving a hundred sinks would pay for in idle CPU.
+_POOL: dict[str, list[Any]] = {}
+_POOL_LOCK = threading.Lock()
+#: Idle consumers kept per configuration.
+POOL_IDLE_MAX = 16
+
+
+def _take_pooled(key: str) -> Any:
+    with _POOL_LOCK:
+        idle = _POOL.get(key)
+        return idle.pop() if idle else None
+
+
+def _give_back(key: str, consumer: Any) -> bool:
+    with _POOL_LOCK:
+        idle = _POOL.setdefault(key, [])
+        if len(idle) >= POOL_IDLE_MAX:
+            return False
+        idle.append(consumer)
+        return True
+
+
+def pooled_consumers() -> int:
+    """How many idle consumers this process keeps."""
+    with _POOL_LOCK:
+        return sum(len(v) for v in _POOL.values())
 
 
 def close_pooled_consumers() -> int:
     """Close this process's pooled consumers (a long-lived process that read ranges directly
     and is done with the broker). Returns how many were closed."""
-    n = 0
-    while _POOL:
-        _, consumer = _POOL.popitem()
+    with _POOL_LOCK:
+        consumers = [c for v in _POOL.values() for c in v]
+        _POOL.clear()
+    for consumer in consumers:
         try:
             consumer.close()
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
-        n += 1
-    return n
+    return len(consumers)
 
 
 

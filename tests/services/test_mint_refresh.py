@@ -160,3 +160,36 @@ def test_the_statements_the_source_found_are_taken_and_the_ranges_it_could_not_r
     m.note_unread(2, 30, 35)
     m.note_read(2, 33)
     assert m.unread == {2: (30, 35)}
+
+
+def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_while_waiting(monkeypatch: Any) -> None:
+    """The shared query's minters (``backoff``): an announcement's upper is absorbed with no
+    read of the shard and mints at once; a sink waiting for its upper reads the shard after 1
+    s, then after 2, 4 and 8 s (the most) while it does not move, and after 1 s again once it moved."""
+    clock = [100.0]
+    monkeypatch.setattr(mint.time, "monotonic", lambda: clock[0])
+    settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs")
+    shard = CountingShard(upper=0)
+    state = MintState("s", epoch=1, partition_count=1, as_of=0, read_only=False, nonce="n")
+    producer = Producer()
+    m = mint.SinkMinter(SinkDef("s", "desired", "c"), settings, shard, state, producer, backoff=True)  # type: ignore[arg-type]
+
+    m.process(records((KIND_PROGRESS, "desired", 5)))
+    assert (shard.reads, len(producer.sent)) == (1, 1)  # [0, 5) minted
+    m.process(records((KIND_PROGRESS, "desired", 9)))
+    m.process(records((KIND_CONTROL, "frontiers", None)), announced=[5])
+    assert (shard.reads, len(producer.sent)) == (1, 2)  # no read: [5, 9) minted from the announced upper
+    assert m.state.persist_frontier == Frontier.at(5)
+
+    reads_at = []
+    for _ in range(40):  # 20 s waiting for [5, 9), nothing announced
+        clock[0] += 0.5
+        if m.refresh_due(clock[0]):
+            m.process(records())
+            reads_at.append(clock[0] - 100.0)
+    assert reads_at == [1.0, 3.0, 7.0, 15.0]  # 1, 2, 4 and 8 s apart (the most): a lost announcement costs at most 8 s
+    assert shard.reads == 5
+    shard.upper = 9  # the upper moves; the next read sees it and the wait starts again at 1 s
+    clock[0] += 8.0
+    m.process(records())
+    assert m.state.persist_frontier == Frontier.at(9) and m.refresh_every == mint.SHARD_REFRESH_S

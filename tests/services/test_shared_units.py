@@ -46,6 +46,22 @@ def test_descriptions_weigh_as_reads_and_spread_over_at_most_four_tasks_per_core
     assert len(pack_units(many, DESCRIPTION_WEIGHT, 2)) == 8
 
 
+def test_a_sinks_writer_partitions_share_a_task_unless_they_outweigh_its_share() -> None:
+    """Small sinks keep their writer partitions in one task (one thread runs them one after
+    the other: the second reads no shard head again); a sink heavier than a task's share
+    spreads its partitions."""
+    many = [unit(f"s{k}", wp, 10, descs=1) for k in range(100) for wp in range(2)]
+    tasks = pack_units(many, DESCRIPTION_WEIGHT, 2)
+    assert len(tasks) == 8
+    for t in tasks:
+        keys = Counter(u.key for u in t.units)
+        assert set(keys.values()) == {2}  # both partitions of each of its sinks
+    assert placed(tasks) == Counter((u.key, u.wp) for u in many)
+    heavy = [unit("busy", wp, 20_000) for wp in range(2)] + [unit(f"s{k}", wp, 10) for k in range(4) for wp in range(2)]
+    tasks = pack_units(heavy, 10_000, 2)
+    assert sum(1 for t in tasks if any(u.key == "busy" for u in t.units)) == 2  # its partitions apart
+
+
 class _Producer:
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes]] = []

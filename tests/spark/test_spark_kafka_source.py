@@ -156,29 +156,43 @@ def test_skip_value_prefixes_drops_records_in_the_reader_and_keeps_offsets(
 
 
 def test_read_range_reuses_its_consumer_and_reads_exact_ranges(stack: EmbeddedStack, unique_id: str) -> None:
-    """Consecutive, overlapping and backward ranges of one partition in one process (the
-    pooled consumer is re-assigned each time) return exactly their offsets."""
+    """Consecutive, overlapping and backward ranges of two topics in one process (one pooled
+    consumer, re-assigned each time, whatever the topic) return exactly their offsets."""
     import random
 
     import shared.spark.kafka_source as sk
 
-    topic = f"src-pool-{unique_id}"
-    create_topic(stack.bootstrap_servers, topic, 1)
-    produce(stack.bootstrap_servers, topic, [(0, b"v%03d" % i) for i in range(300)], rounds=3)
+    topic, other = f"src-pool-{unique_id}", f"src-pool2-{unique_id}"
+    for t in (topic, other):
+        create_topic(stack.bootstrap_servers, t, 1)
+        produce(stack.bootstrap_servers, t, [(0, b"v%03d" % i) for i in range(300)], rounds=3)
     settings = KafkaSettings.of(stack.bootstrap_servers)
     rng = random.Random(5)
     ranges = [(0, 1), (1, 100), (100, 300), (299, 300), (50, 60), (0, 300)]
     ranges += [(s, min(300, s + rng.choice([1, 7, 150]))) for s in (rng.randrange(300) for _ in range(20))]
-    for s, e in ranges:
-        rows = [r for b in read_range(settings, topic, 0, s, e, batch_size=64) for r in b.to_pylist()]
-        assert [(r["offset"], r["value"]) for r in rows] == [(o, b"v%03d" % o) for o in range(s, e)]
-    assert sum(1 for k in sk._POOL if k[1] == topic) == 1  # one consumer served every range
-    # a reader that stops early closes its consumer instead of pooling it
-    g = read_range(settings, topic, 0, 0, 300, batch_size=10)
-    next(g)
-    assert not any(k[1] == topic for k in sk._POOL)
-    g.close()
-    assert not any(k[1] == topic for k in sk._POOL)
+    sk.close_pooled_consumers()
+    made = []
+    real = sk.new_consumer
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        made.append(1)
+        return real(*a, **kw)
+
+    sk.new_consumer = counted  # type: ignore[assignment]
+    try:
+        for i, (s, e) in enumerate(ranges):
+            t = (topic, other)[i % 2]
+            rows = [r for b in read_range(settings, t, 0, s, e, batch_size=64) for r in b.to_pylist()]
+            assert [(r["offset"], r["value"]) for r in rows] == [(o, b"v%03d" % o) for o in range(s, e)]
+        assert len(made) == 1 and sk.pooled_consumers() == 1  # one consumer served every range of both topics
+        # a reader that stops early closes its consumer instead of pooling it
+        g = read_range(settings, topic, 0, 0, 300, batch_size=10)
+        next(g)
+        assert sk.pooled_consumers() == 0
+        g.close()
+        assert sk.pooled_consumers() == 0
+    finally:
+        sk.new_consumer = real  # type: ignore[assignment]
     sk.close_pooled_consumers()
     assert not sk._POOL
 
