@@ -596,7 +596,7 @@ offsets saves a third of the per-record work)."""
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
     pool_key = repr(sorted(settings.config(**extra).items()))
-    consumer = _take_pooled(pool_key) or new_consumer(settings, **extra)
+    consumer, known = _take_pooled(pool_key) or (new_consumer(settings, **extra), set())
     pooled = False
 
     def build(keys: list[Any], vals: list[Any], offs: list[int], tss: list[Any],
@@ -631,6 +631,14 @@ offsets saves a third of the per-record work)."""
         )
 
     try:
+        if topic not in known:
+            # The topic's metadata first (a round trip of about a millisecond): a consumer
+            # assigned a partition of a topic it does not know yet waits up to a second for it.
+            try:
+                consumer.list_topics(topic, timeout=timeout_s)
+            except KafkaException as e:
+                raise translate(e, f"reading the metadata of {topic}") from e
+            known.add(topic)
         consumer.assign([TopicPartition(topic, partition, start)])
         keys: list[Any] = []
         vals: list[Any] = []
@@ -701,7 +709,7 @@ offsets saves a third of the per-record work)."""
         # Read to the end: the consumer (connected, with the metadata of the topics it read)
         # serves a next range, of any topic and partition, in this process.
         consumer.unassign()  # stops fetching and drops what was prefetched beyond ``end``
-        pooled = _give_back(pool_key, consumer)
+        pooled = _give_back(pool_key, consumer, known)
     finally:
         if not pooled:
             consumer.close()
@@ -716,24 +724,25 @@ offsets saves a third of the per-record work)."""
 #: instead, and so is one beyond :data:`POOL_IDLE_MAX` idle ones of its configuration: the
 #: pool is as large as the reads that ran at once, not one consumer (and its threads) per
 #: partition ever read, which a process serving a hundred sinks would pay for in idle CPU.
-_POOL: dict[str, list[Any]] = {}
+_POOL: dict[str, list[tuple[Any, set[str]]]] = {}
 _POOL_LOCK = threading.Lock()
 #: Idle consumers kept per configuration.
 POOL_IDLE_MAX = 16
 
 
-def _take_pooled(key: str) -> Any:
+def _take_pooled(key: str) -> tuple[Any, set[str]] | None:
+    """An idle consumer of the configuration and the topics it has the metadata of."""
     with _POOL_LOCK:
         idle = _POOL.get(key)
         return idle.pop() if idle else None
 
 
-def _give_back(key: str, consumer: Any) -> bool:
+def _give_back(key: str, consumer: Any, known: set[str]) -> bool:
     with _POOL_LOCK:
         idle = _POOL.setdefault(key, [])
         if len(idle) >= POOL_IDLE_MAX:
             return False
-        idle.append(consumer)
+        idle.append((consumer, known))
         return True
 
 
@@ -747,7 +756,7 @@ def close_pooled_consumers() -> int:
     """Close this process's pooled consumers (a long-lived process that read ranges directly
     and is done with the broker). Returns how many were closed."""
     with _POOL_LOCK:
-        consumers = [c for v in _POOL.values() for c in v]
+        consumers = [c for v in _POOL.values() for c, _ in v]
         _POOL.clear()
     for consumer in consumers:
         try:
