@@ -278,10 +278,12 @@ class Shard:
         return shard
 
     # -- head discovery (see shared.versioned) ----------------------------------------------
-    def refresh(self) -> ShardState:
-        """Find the head: from the cached seqno or the hint, probe forward."""
+    def refresh(self, *, enough: Callable[[ShardState], bool] | None = None) -> ShardState:
+        """Find the head: from the cached seqno or the hint, probe forward. ``enough``: see
+        :meth:`shared.versioned.VersionedLog.refresh` (a state that passes it, maybe not the
+        newest, for one request fewer)."""
         try:
-            return self._log.refresh()
+            return self._log.refresh(enough=enough)
         except ShardNotFoundError:
             raise ShardNotFoundError(
                 f"expected a shard at {self.prefix!r}, found none", shard_id=self.shard_id

@@ -133,8 +133,10 @@ class VersionedLog(Generic[S]):
             return self._newest_by_list()
         return n
 
-    def refresh(self) -> S:
-        """Find the head: from the cached seqno or the hint, probe forward (galloping)."""
+    def refresh(self, *, enough: Callable[[S], bool] | None = None) -> S:
+        """Find the head: from the cached seqno or the hint, probe forward (galloping).
+        ``enough``: a caller that needs only a state that passes it (not the newest) takes the
+        next state when it passes, with no probe beyond it (one GET instead of GET and HEAD)."""
         with self._lock:
             lo = self._start_seqno()
             step, hi = 1, None
@@ -144,6 +146,12 @@ class VersionedLog(Generic[S]):
                 lo = lo + 1  # then HEAD n+2, n+4, n+8, ...: one new state costs GET n+1, HEAD n+2
             except ObjectNotFoundError:
                 hi = lo + 1
+            decoded: S | None = None
+            if fetched is not None and enough is not None:
+                decoded = self.decode(fetched[1])
+                if enough(decoded):
+                    self.set_head(decoded)
+                    return decoded
             while hi is None:
                 if self.store.exists(self.state_key(lo + step)):
                     lo += step
@@ -159,7 +167,7 @@ class VersionedLog(Generic[S]):
             if self._head is not None and self._head.seqno == lo:
                 state = self._head
             elif fetched is not None and fetched[0] == lo:
-                state = self.decode(fetched[1])
+                state = decoded if decoded is not None else self.decode(fetched[1])
             else:
                 state = self.get_state(lo)
             self._head = None

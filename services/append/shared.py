@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 
 from services.append.service import SinkAppender
 from services.runtime.driver_state import DriverStateLog
-from services.runtime.fleet import Fleet, sink_key
+from services.runtime.fleet import Fleet, KeyLocks, prepare, sink_key
 from services.runtime.settings import ServiceSettings
 from services.runtime.supervisor import interruptible
 from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded, decode_on_driver, read_planned_batch
@@ -76,19 +75,16 @@ class SharedAppend:
     #: where the micro-batch being processed starts (None: unknown, the checkpoint's first)
     batch_start: dict[str, dict[int, int]] | None = None
 
-    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _lock: KeyLocks = field(default_factory=KeyLocks)
 
     def sync(self, members: dict[str, Any]) -> None:
-        """Make the parts of the members that have none yet (called by the fleet when they change)."""
-        for key in sorted(members):
-            try:
-                self.appender(key)
-            except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
-                log.warning("could not prepare %s: %s", key, e)
+        """Make the parts of the members that have none yet (called by the fleet when they
+        change), side by side."""
+        prepare(sorted(members), self.appender, "append")
 
     def appender(self, key: str, saved: dict[str, Any] | None = None) -> SinkAppender | None:
         """The member's part (made at its first use; None: not a member)."""
-        with self._lock:
+        with self._lock(key):
             return self._appender(key, saved)
 
     def _appender(self, key: str, saved: dict[str, Any] | None = None) -> SinkAppender | None:

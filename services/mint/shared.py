@@ -24,7 +24,6 @@ step fails is logged by name and retried at the next micro-batch; the others go 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import pyarrow as pa
 
 from services.mint.service import SinkMinter
 from services.runtime.driver_state import DriverStateLog, planned_offsets
-from services.runtime.fleet import Fleet, sink_key
+from services.runtime.fleet import Fleet, KeyLocks, prepare, sink_key
 from services.runtime.settings import ServiceSettings
 from services.runtime.supervisor import interruptible
 from services.sinkio import (
@@ -70,19 +69,16 @@ class SharedMint:
     producer: ControlProducer
     failing: dict[str, str] = field(default_factory=dict)
 
-    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _lock: KeyLocks = field(default_factory=KeyLocks)
 
     def sync(self, members: dict[str, Any]) -> None:
-        """Make the parts of the members that have none yet (called by the fleet when they change)."""
-        for key in sorted(members):
-            try:
-                self.minter(key)
-            except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
-                log.warning("could not prepare %s: %s", key, e)
+        """Make the parts of the members that have none yet (called by the fleet when they
+        change), side by side."""
+        prepare(sorted(members), self.minter, "mint")
 
     def minter(self, key: str, saved: dict[str, Any] | None = None) -> SinkMinter | None:
         """The member's part (made at its first use; None: not a member)."""
-        with self._lock:
+        with self._lock(key):
             return self._minter(key, saved)
 
     def _minter(self, key: str, saved: dict[str, Any] | None = None) -> SinkMinter | None:

@@ -60,6 +60,47 @@ def sink_state_dir(settings: ServiceSettings, service: str, sink: SinkDef) -> st
     return f"{shared_root(settings, service)}/{sink.sink_id}-e{sink.epoch}"
 
 
+#: Members' parts made side by side when many join at once (a start with a hundred sinks):
+#: making one is a few S3 and Kafka round trips.
+PREPARE_THREADS = 8
+
+
+class KeyLocks:
+    """One lock per member key: a shared driver makes a member's part under its key's lock,
+    so different members' parts are made side by side (the fleet's thread preparing new
+    members, the micro-batch's thread using them)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.RLock] = {}
+
+    def __call__(self, key: str) -> threading.RLock:
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.RLock()
+            return lock
+
+
+def prepare(keys: list[str], make: Callable[[str], Any], what: str) -> None:
+    """``make(key)`` for each of ``keys`` on a few threads (a part that cannot be made now is
+    made at the sink's first micro-batch instead, with the error logged here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(key: str) -> None:
+        try:
+            make(key)
+        except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
+            log.warning("%s: could not prepare %s: %s", what, key, e)
+
+    if len(keys) <= 1:
+        for k in keys:
+            one(k)
+        return
+    with ThreadPoolExecutor(max_workers=min(PREPARE_THREADS, len(keys))) as ex:
+        list(ex.map(one, keys))
+
+
 def write_members(path: str, members: dict[str, SinkDef], extra: dict[str, dict[str, Any]] | None = None) -> None:
     """The membership file the shared query's source reads (a temporary file renamed into
     place: a reader never sees half of it); ``extra``: more fields per key."""

@@ -475,14 +475,16 @@ class ShardContext:
         ``at_least``: an upper the shard is known to have reached (the lower of a new
         description, which mint read from the shard or an announcement): a head cached in this
         process that has reached it serves (a sink's other writer partition read it moments
-        ago), with no round trip to the store. A newer head only makes the description stale,
-        which the compare-and-append refuses."""
+        ago), with no round trip to the store, or else the first state that reached it (one
+        GET, no probe beyond). A newer head only makes the description stale, which the
+        compare-and-append refuses."""
         persist = ws.persist_frontier
         if persist.time is None:
             return
         state = self.shard.cached() if at_least is not None else None
-        if state is None or state.upper.less_than(at_least):
-            state = self.shard.refresh()
+        if state is None or (at_least is not None and state.upper.less_than(at_least)):
+            # With a lower to reach, the first state that reached it serves (no probe beyond).
+            state = self.shard.refresh(enough=None if at_least is None else (lambda st: not st.upper.less_than(at_least)))
         self.follow(ws, state)
         if not persist.less_than(state.upper):
             return

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from services.runtime.fleet import Fleet, sink_key
+from services.runtime.fleet import Fleet, KeyLocks, prepare, sink_key
 from services.runtime.settings import ServiceSettings
 from services.runtime.supervisor import interruptible
 from services.sinkio import ControlProducer
@@ -65,19 +64,16 @@ class SharedWrite:
     def replay_file(self) -> str:
         return replay_path(self.fleet.members_file)
 
-    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _lock: KeyLocks = field(default_factory=KeyLocks)
 
     def sync(self, members: dict[str, Any]) -> None:
-        """Make the parts of the members that have none yet (called by the fleet when they change)."""
-        for key in sorted(members):
-            try:
-                self.writer(key)
-            except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
-                log.warning("could not prepare %s: %s", key, e)
+        """Make the parts of the members that have none yet (called by the fleet when they
+        change), side by side."""
+        prepare(sorted(members), self.writer, "write")
 
     def writer(self, key: str) -> SinkWriter | None:
         """The member's part (made at its first use; None: not a member)."""
-        with self._lock:
+        with self._lock(key):
             return self._writer(key)
 
     def _writer(self, key: str) -> SinkWriter | None:

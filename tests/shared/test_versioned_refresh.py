@@ -64,3 +64,25 @@ def test_a_refresh_finds_the_head_and_one_new_state_costs_a_get_and_a_head(new: 
     else:
         # galloping HEADs, a binary search, and the head's GET unless it was the one fetched
         assert store.calls["get"] == 2 and store.calls["head"] <= 2 * new.bit_length() + 1, store.calls
+
+
+@pytest.mark.parametrize("new", [0, 1, 3])
+def test_a_refresh_that_needs_only_a_state_reaching_a_point_stops_at_the_first_that_does(new: int) -> None:
+    """``enough``: the next state, when it passes, is taken with one GET and no probe beyond it
+    (a writer partition that needs the shard at a description's lower); one that does not pass
+    (or none there) leaves the usual search to find the head."""
+    store = _Counting()
+    log = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    _write(log, store, 0, 1, 2)
+    log.write_hint(2)
+    log.refresh()
+    _write(log, store, *range(3, 3 + new))
+    store.calls.clear()
+    got = log.refresh(enough=lambda st: st.seqno >= 3)
+    if new == 0:
+        assert got.seqno == 2 and store.calls == Counter({"get": 1})
+    else:
+        assert got.seqno == 3 and store.calls == Counter({"get": 1})  # even with newer states beyond it
+        assert log.cached() == got
+    store.calls.clear()
+    assert log.refresh(enough=lambda st: st.seqno >= 99).seqno == 2 + new  # never enough: the head, as a refresh finds it
