@@ -3,9 +3,10 @@ and every member sink's desired topic mints for every sink the instance serves.
 
 The query's source (:class:`shared.spark.fleet_source.FleetStreamReader`) plans each
 micro-batch's ranges: ``frontiers``, and each member's desired partitions under the sink's key.
-The driver reads no desired update: for each member with news it reads each desired range's
-latest progress statement from the range's tail (:func:`services.sinkio.latest_progress_record`,
-the partitions of all sinks concurrently), routes the ``frontiers`` announcements by sink id,
+The driver reads no desired update: the source finds, while planning, each admitted desired
+range's latest progress statement (its tail, :class:`services.mint.source.MintFleetReader`, the
+partitions of all sinks concurrently) and logs them with the micro-batch's offsets; the driver
+reads a range's tail itself only when the source could not. It routes the ``frontiers`` announcements by sink id,
 and runs the sink's :class:`services.mint.service.SinkMinter` (the per-sink contract of
 :mod:`services.mint.service` is unchanged: strictly increasing lowers, a new epoch per start).
 An announcement on ``frontiers`` carries its shard's new upper, which every member sink of the
@@ -32,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from services.mint.service import SinkMinter
+from services.mint.source import fleet_planned_progress, update_prefix
 from services.runtime.driver_state import DriverStateLog, planned_offsets
 from services.runtime.fleet import Fleet, KeyLocks, prepare, sink_key
 from services.runtime.settings import ServiceSettings
@@ -44,7 +46,7 @@ from services.sinkio import (
     read_latest_progress,
     read_ranges,
 )
-from shared.codec import MARKER, message_codec
+from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
 
 log = logging.getLogger("shardsink.mint")
@@ -52,11 +54,6 @@ log = logging.getLogger("shardsink.mint")
 #: Sinks whose steps run side by side (threads: S3 round trips).
 PARALLEL_SINKS = 8
 _EMPTY_RAW = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("value", pa.binary())])
-
-
-def update_prefix() -> bytes:
-    """The value prefix of a desired update of the current schema (mint skips updates)."""
-    return MARKER + message_codec("desired").fingerprint + b"\x00"
 
 
 @dataclass
@@ -118,9 +115,13 @@ class SharedMint:
         return {"sinks": {sink_key(m.sink): {**m.state.checkpoint(), "unread": {str(p): list(r) for p, r in m.unread.items()}}
                           for m in self.registry.values() if sink_key(m.sink) in members}}
 
-    def process(self, ranges: list[tuple[str, int, int, int]] | None) -> None:
+    def process(self, ranges: list[tuple[str, int, int, int]] | None,
+                progress: dict[str, dict[int, tuple[int, bytes] | None]] | None = None) -> None:
         """One micro-batch: ``ranges`` as planned (None: the first of a checkpoint, whose start
-        Spark does not log: every member's shard is read, every desired partition's tail too)."""
+        Spark does not log: every member's shard is read, every desired partition's tail too).
+        ``progress``: the latest statements the source found while planning, by member key
+        and partition (:class:`services.mint.source.MintFleetReader`); a range without one
+        has its tail read here."""
         s = self.settings
         members = self.fleet.members()
         prefix = update_prefix()
@@ -159,11 +160,14 @@ class SharedMint:
             except ShardsinkError as e:
                 return e
 
-        if len(desired) > 1:
-            with ThreadPoolExecutor(max_workers=min(8, len(desired))) as ex:
-                tails = list(ex.map(tail, desired))
+        known = (progress or {}) if not first else {}  # a first batch reads its ranges from 0
+        todo = [r for r in desired if r[1] not in known.get(r[0], {})]
+        if len(todo) > 1:
+            with ThreadPoolExecutor(max_workers=min(8, len(todo))) as ex:
+                read = dict(zip(todo, ex.map(tail, todo), strict=True))
         else:
-            tails = [tail(r) for r in desired]
+            read = {r: tail(r) for r in todo}
+        tails = [read[r] if r in read else _found(known[r[0]][r[1]], r[2]) for r in desired]
         statements: dict[str, list[tuple[str, int, int, bytes]]] = {}
         unread: dict[str, list[tuple[int, int, int]]] = {}
         for (key, p, a, b), found in zip(desired, tails, strict=True):
@@ -239,6 +243,12 @@ class SharedMint:
                 del self.failing[key]
 
 
+def _found(found: tuple[int, bytes] | None, start: int) -> tuple[int, bytes] | None:
+    """A statement the source found for a range starting at ``start`` (one below it is an
+    older range's: the range holds none)."""
+    return found if found is not None and found[0] >= start else None
+
+
 def _ends(settings: ServiceSettings, topic: str, partitions: int) -> dict[int, int]:
     from shared.io.kafka import OffsetProbe
 
@@ -251,7 +261,8 @@ def _ends(settings: ServiceSettings, topic: str, partitions: int) -> dict[int, i
 
 def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet, registry: dict[str, SinkMinter],
                             shared: list[SharedMint] | None = None) -> Any:
-    from shared.spark.fleet_source import MEMBERS_OPTION, FleetDataSource
+    from services.mint.source import MintFleetDataSource
+    from shared.spark.fleet_source import MEMBERS_OPTION
     from shared.spark.kafka_connector import kafka_read_stream
 
     checkpoint = fleet.checkpoint
@@ -271,7 +282,7 @@ def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet,
     mint.sync(fleet.members())
     df = kafka_read_stream(
         spark, settings.kafka, [settings.frontiers_topic], starting_offsets="latest",
-        source=(FleetDataSource.name(), FleetDataSource, {MEMBERS_OPTION: fleet.members_file}),
+        source=(MintFleetDataSource.name(), MintFleetDataSource, {MEMBERS_OPTION: fleet.members_file}),
         wait_for_records_ms=settings.source_wait_ms,
     )
 
@@ -283,7 +294,7 @@ def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet,
     def each(batch_df: Any, batch_id: int) -> None:
         logged = planned_offsets(states.files, batch_id)
         ranges = planned_ranges(states.files, batch_id, logged) if logged is not None else None
-        mint.process(ranges)
+        mint.process(ranges, fleet_planned_progress(logged))
         states.save(batch_id, mint.checkpoint())
         # A sink with a description in flight cannot use its desired records until its upper
         # moves (announced on frontiers, which ends the hold): the source holds them back.

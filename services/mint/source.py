@@ -60,6 +60,7 @@ from pyspark.sql.streaming.datasource import ReadLimit
 
 from shared.errors import ShardsinkError
 from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json
+from shared.spark.fleet_source import HoldFileReader
 from shared.spark.kafka_source import HoldingStreamReader, SourceOptions
 from shared.spark.kafka_connector import KafkaDataSource
 
@@ -71,6 +72,8 @@ HOLD_FILE = "mint-hold"
 #: The annotation of a mint micro-batch's offsets that carries the desired partitions' latest
 #: progress statements.
 PROGRESS_KEY = ANNOTATION_PREFIX + "progress"
+#: Desired ranges whose tails a shared mint source reads side by side (a consumer each).
+TAIL_THREADS = 8
 #: What a desired range's tail holds: its latest progress statement ``(offset, value)``, None
 #: for none, or the error that kept it from being read.
 Tail = tuple[int, bytes] | None | ShardsinkError
@@ -239,3 +242,74 @@ def mint_source(desired_topic: str, hold_file: str | None) -> tuple[str, type[Mi
     """The ``source`` argument of :func:`shared.spark.kafka_connector.kafka_read_stream`."""
     hold = {"file": hold_file, "desired_topic": desired_topic}
     return MINT_SOURCE, MintDataSource, {HOLD_OPTION: json.dumps(hold)}
+
+
+class MintFleetReader(HoldFileReader):
+    """The shared mint query's reader (:class:`shared.spark.fleet_source.HoldFileReader`: every
+    member's desired topic, held while the driver lists the member in the holds file) that
+    also finds, while planning, each admitted member range's latest progress statement, as
+    :class:`MintStreamReader` does for one sink: ``{"<sink>@<epoch>": {"<partition>": [offset,
+    base64 value]}}`` under :data:`PROGRESS_KEY` (``[-1, null]``: none; no entry: its tail could
+    not be read, and the driver reads it). The tails are read here, in the source runner, on a
+    few threads, so the driver coordinates and reads no desired record."""
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        from services.sinkio import latest_progress_record
+
+        end = super().latestOffset(start, limit)
+        s, e = offsets_from_json(start), offsets_from_json(end)
+        members = self.members()
+        ranges = [(k, p, s.get(k, {}).get(p, 0), b) for k in sorted(members) for p, b in sorted(e.get(k, {}).items())
+                  if b > s.get(k, {}).get(p, 0)]
+        if not ranges:
+            # Nothing new: the start as it is (its annotation too), so no micro-batch is made.
+            return dict(start) if s == e else end
+        prefix = update_prefix()
+
+        def one(r: tuple[str, int, int, int]) -> Tail:
+            k, p, a, b = r
+            try:
+                return latest_progress_record(self.options.settings, str(members[k]["desired_topic"]), p, a, b, prefix)
+            except ShardsinkError as ex:
+                return ex
+
+        if len(ranges) > 1:
+            with ThreadPoolExecutor(max_workers=min(TAIL_THREADS, len(ranges))) as ex:
+                tails = list(ex.map(one, ranges))
+        else:
+            tails = [one(r) for r in ranges]
+        progress: dict[str, dict[str, Any]] = {}
+        for (k, p, _, _), found in zip(ranges, tails, strict=True):
+            if isinstance(found, ShardsinkError):
+                continue
+            progress.setdefault(k, {})[str(p)] = [-1, None] if found is None else [found[0], base64.b64encode(found[1]).decode()]
+        return {**end, PROGRESS_KEY: progress}
+
+
+def fleet_planned_progress(offsets: Mapping[str, Any] | None) -> dict[str, dict[int, tuple[int, bytes] | None]]:
+    """The :data:`PROGRESS_KEY` annotation of a shared mint micro-batch's logged end
+    ``offsets``, per member key as :func:`planned_progress` reads one sink's."""
+    raw = (offsets or {}).get(PROGRESS_KEY)
+    if not isinstance(raw, Mapping):
+        return {}
+    return {str(k): planned_progress({PROGRESS_KEY: v}) for k, v in raw.items() if isinstance(v, Mapping)}
+
+
+def update_prefix() -> bytes:
+    """The value prefix of a desired update of the current schema (mint skips updates)."""
+    from shared.codec import MARKER, message_codec
+
+    return MARKER + message_codec("desired").fingerprint + b"\x00"
+
+
+class MintFleetDataSource(KafkaDataSource):
+    """``shardsink-mint-fleet``: the shared mint query's source (:class:`MintFleetReader`)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "shardsink-mint-fleet"
+
+    def streamReader(self, schema: Any) -> MintFleetReader:
+        from shared.spark.fleet_source import members_option
+
+        return MintFleetReader(SourceOptions.parse(self.options), members_option(self.options))

@@ -238,3 +238,45 @@ def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired:
     got = ms.planned_progress(end)
     assert 0 not in got and got[1] == (25, encode_progress(1, Frontier.at(9)))
     assert ms.planned_progress({desired: {"0": 3}}) == {}  # offsets without the annotation
+
+
+def test_the_shared_mint_source_finds_each_members_latest_statement_while_planning(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Path
+) -> None:
+    """The shared mint query's source (:class:`services.mint.source.MintFleetReader`) logs, for
+    each admitted member range, its latest progress statement (``[-1, null]`` for a range
+    without one) in the offsets, by member key and partition, which the driver takes instead
+    of reading the tails; with nothing new it answers the start as it is (no micro-batch)."""
+    from services.runtime.fleet import write_members
+    from shared.catalog import SinkDef
+    from shared.spark.fleet_source import MEMBERS_OPTION
+
+    frontiers = f"mint-ff-{unique_id}"
+    create_topic(stack.bootstrap_servers, frontiers, 1)
+    sinks = {}
+    for i in range(2):
+        d = f"mint-fd{i}-{unique_id}"
+        create_topic(stack.bootstrap_servers, d, 2)
+        sink = SinkDef(f"s{i}-{unique_id}", d, f"c{i}-{unique_id}", epoch=3)
+        sinks[f"{sink.sink_id}@3"] = sink
+    members = str(tmp_path / "mint-shared" / "members.json")
+    write_members(members, sinks)
+    source = (ms.MintFleetDataSource.name(), ms.MintFleetDataSource, {MEMBERS_OPTION: members})
+    r: ms.MintFleetReader = stream_reader(stack.bootstrap_servers, source, [frontiers])
+    limit: Any = r.getDefaultReadLimit()
+    (k0, s0), (k1, s1) = sorted(sinks.items())
+    start = r.initialOffset()
+    produce(stack.bootstrap_servers, s0.desired_topic,
+            [(0, b"u"), (0, progress_statement(4)), (0, b"u"), (0, progress_statement(7)), (0, b"u"), (1, b"u")])
+    produce(stack.bootstrap_servers, s1.desired_topic, [(1, progress_statement(9, 1))])
+    end = r.latestOffset(start, limit)
+    assert end[k0] == {"0": 5, "1": 1} and end[k1] == {"0": 0, "1": 1}
+    got = ms.fleet_planned_progress(end)
+    assert got[k0] == {0: (3, progress_statement(7)), 1: None}  # the latest of partition 0; none on 1
+    assert got[k1] == {1: (0, progress_statement(9, 1))}
+    assert r.latestOffset(end, limit) == end  # nothing new: the start, annotation and all
+    produce(stack.bootstrap_servers, s1.desired_topic, [(1, b"u"), (1, progress_statement(12, 1))])
+    later = r.latestOffset(end, limit)
+    assert ms.fleet_planned_progress(later) == {k1: {1: (2, progress_statement(12, 1))}}  # only the new range
+    r.stop()
+    close_pooled_consumers()
