@@ -19,11 +19,17 @@ What runs (all on one embedded stack, Tansu + moto):
 - network faults, after the kills: the stack's broker and S3 server sit behind loopback fault
   proxies (``EmbeddedStack(net_faults=True)``, shared/devstack/netfault.py) that every service
   reaches them through; each fault (a partition: connects refused and connections reset; a
-  black hole: nothing forwarded; latency with jitter) lasts a few seconds, then heals, and the
-  seconds from the heal to the next move of the shard's upper are measured
-  (``network_faults``, ``heal_to_upper_p50_s``, ``heal_to_upper_max_s`` in the summary). The
-  checker reads S3 directly; the workload's producer reaches the broker through its proxy too
-  (the broker advertises one address), so a Kafka partition holds it as well.
+  black hole: nothing forwarded; latency with jitter; 5 % packet loss each way), on the path
+  to S3, to the broker or to both, lasts a few seconds (a partition 30 s in the full
+  campaign), then heals, and the seconds from the heal to the next move of the shard's upper
+  are measured (``network_faults``, ``network_fault_count``, ``heal_to_upper_p50_s``,
+  ``heal_to_upper_max_s`` in the summary). Packet loss needs a real link: with loss faults in
+  the plan the proxies reach their servers over a veth in a private network namespace with an
+  eBPF packet dropper (``EmbeddedStack(net_loss=True)``, shared/devstack/lossy_link.py; root and
+  Linux >= 6.6). Where that cannot be built the loss faults are skipped, and the summary says
+  why (``loss_unavailable``, ``network_faults_skipped``). The checker reads S3 directly; the
+  workload's producer reaches the broker through its proxy too (the broker advertises one
+  address), so a Kafka partition holds it as well.
 
 The history checker records every shard state object (``shards/<id>/state/<n>``) as the run
 goes (the services run with a 1-day GC grace so none disappears), and every message of the
@@ -42,8 +48,9 @@ subscribe output, then checks:
 The last stdout line is one JSON summary; the exit code is 1 on any divergence (and 2 if the
 run could not finish, e.g. the sink never converged).
 
-    python bench/chaos.py              # full: >= 100 kills, 12 network faults (about 25 minutes on 2 cores)
+    python bench/chaos.py              # full: >= 100 kills, 30 network faults (about 40 minutes on 2 cores)
     python bench/chaos.py --quick      # a few kills and 3 network faults, combined layout (a few minutes)
+    python bench/chaos.py --kills 0 --network-faults 30   # the network faults alone
 """
 
 from __future__ import annotations
@@ -70,11 +77,19 @@ sys.path.insert(0, str(REPO))
 
 DEFAULT_FAULTS = "error_p=0.01,timeout_p=0.005,lost_ack_p=0.01,latency_ms=5,kafka_error_p=0.005,kafka_lost_ack_p=0.005"
 STEP_TIMES = 10
-#: The network faults of a campaign, in this order, repeated: (fault, path).
+#: The network faults of a campaign, in this order, repeated: (fault, path); the path "both" is
+#: S3's and the broker's at once. Ten kinds: the full campaign's 30 faults are each three times.
 NETWORK_FAULTS = (("partition", "s3"), ("partition", "kafka"), ("blackhole", "kafka"), ("blackhole", "s3"),
-                  ("latency", "s3"), ("latency", "kafka"))
+                  ("latency", "s3"), ("latency", "kafka"), ("loss", "s3"), ("loss", "kafka"),
+                  ("partition", "both"), ("loss", "both"))
+#: Network faults of a full campaign and of a quick one.
+FULL_NETWORK_FAULTS, QUICK_NETWORK_FAULTS = 30, 3
 #: A latency fault's delay per chunk, and its jitter (ms).
 LATENCY_MS, LATENCY_JITTER_MS = 80.0, 60.0
+#: A loss fault's share of the packets dropped, each direction (%).
+LOSS_PERCENT = 5.0
+#: How long a partition lasts in a full campaign (issue 32: "a partition of 30 s").
+FULL_PARTITION_S = 30.0
 Row = tuple[int, str]
 
 
@@ -173,13 +188,21 @@ class Workload:
             return self.frontier
 
 
+def network_kinds(n: int) -> list[tuple[str, str]]:
+    """The ``(fault, path)`` of ``n`` network faults: :data:`NETWORK_FAULTS` in turn."""
+    return [NETWORK_FAULTS[i % len(NETWORK_FAULTS)] for i in range(n)]
+
+
 def network_plan(n: int, quick: bool, rng: random.Random) -> list[tuple[str, str, float]]:
-    """``n`` network faults ``(fault, path, seconds)``: :data:`NETWORK_FAULTS` in turn, 10 s
-    each (8 s for a black hole) in a quick run, 5-20 s at random in a full one."""
+    """``n`` network faults ``(fault, path, seconds)``: :func:`network_kinds`, 10 s each (8 s
+    for a black hole) in a quick run; in a full one a partition lasts
+    :data:`FULL_PARTITION_S`, any other fault 5-20 s at random."""
     plan = []
-    for i in range(n):
-        fault, path = NETWORK_FAULTS[i % len(NETWORK_FAULTS)]
-        seconds = (8.0 if fault == "blackhole" else 10.0) if quick else round(rng.uniform(5.0, 20.0), 1)
+    for fault, path in network_kinds(n):
+        if quick:
+            seconds = 8.0 if fault == "blackhole" else 10.0
+        else:
+            seconds = FULL_PARTITION_S if fault == "partition" else round(rng.uniform(5.0, 20.0), 1)
         plan.append((fault, path, seconds))
     return plan
 
@@ -301,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch-after", type=int, help="allow writes on the read-only replica after this many kills (default kills // 3)")
     ap.add_argument("--work-dir", help="logs and checkpoints (default a new /tmp dir)")
     ap.add_argument("--trigger-ms", type=int, default=500, help="micro-batch trigger of the services (SHARDSINK_TRIGGER_MS; default 500)")
-    ap.add_argument("--network-faults", type=int, help="network faults after the kills (default 12, quick 3; 0: none, and no proxies)")
+    ap.add_argument("--network-faults", type=int, help=f"network faults after the kills (default {FULL_NETWORK_FAULTS}, quick {QUICK_NETWORK_FAULTS}; 0: none, and no proxies)")
     args = ap.parse_args(argv)
     # SIGTERM (e.g. a timeout) unwinds like an exception: the services and the stack are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -309,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = args.layout or ("combined" if args.quick else "separate")
     switch_after = args.switch_after if args.switch_after is not None else max(1, kills_wanted // 3)
     per_step = 40 if args.quick else 100
-    net_wanted = args.network_faults if args.network_faults is not None else (3 if args.quick else 12)
+    net_wanted = args.network_faults if args.network_faults is not None else (QUICK_NETWORK_FAULTS if args.quick else FULL_NETWORK_FAULTS)
+    loss_planned = any(fault == "loss" for fault, _ in network_kinds(net_wanted))
     work = Path(args.work_dir or f"/tmp/shardsink-chaos-{uuid.uuid4().hex[:8]}")
     (work / "logs").mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
@@ -329,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"seed": args.seed, "layout": layout, "faults": args.faults, "quick": args.quick}
     divergences: list[str] = []
     t_run = time.monotonic()
-    with EmbeddedStack(net_faults=net_wanted > 0) as stack:
+    with EmbeddedStack(net_faults=net_wanted > 0, net_loss=loss_planned) as stack:
         run = uuid.uuid4().hex[:6]
+        if stack.loss_unavailable:
+            log(f"loss faults not possible here, they are skipped: {stack.loss_unavailable}")
         base_env = {
             **os.environ,
             **stack.env(direct_s3=True),  # the checker's S3 path is never faulted
@@ -408,35 +434,51 @@ def main(argv: list[str] | None = None) -> int:
             return True
 
         def network_fault(fault: str, path: str, seconds: float) -> dict[str, Any]:
-            """Inflict ``fault`` on the path to ``path`` for ``seconds``, heal it, and time the
-            sink's resumption: from the heal to the first upper beyond the one at the heal."""
-            proxy = stack.s3_proxy if path == "s3" else stack.kafka_proxy
-            assert proxy is not None
+            """Inflict ``fault`` on the path to ``path`` (``s3``, ``kafka`` or ``both``) for
+            ``seconds``, heal it, and time the sink's resumption: from the heal to the first
+            upper beyond the one at the heal."""
+            proxies = {"s3": [stack.s3_proxy], "kafka": [stack.kafka_proxy],
+                       "both": [stack.s3_proxy, stack.kafka_proxy]}[path]
             exits_before = sum(restarts_by_self.values())
+            dropped_before = [p.loss_counters() for p in proxies if p is not None]
             t0 = time.monotonic()
-            if fault == "partition":
-                proxy.partition()
-            elif fault == "blackhole":
-                proxy.blackhole()
-            else:
-                proxy.latency(LATENCY_MS, LATENCY_JITTER_MS)
+            for proxy in proxies:
+                assert proxy is not None
+                if fault == "partition":
+                    proxy.partition()
+                elif fault == "blackhole":
+                    proxy.blackhole()
+                elif fault == "loss":
+                    proxy.loss(LOSS_PERCENT)
+                else:
+                    proxy.latency(LATENCY_MS, LATENCY_JITTER_MS)
             while time.monotonic() - t0 < seconds:
                 reap()
                 time.sleep(0.1)
             at_heal = recorder.reached[-1][1] if recorder.reached else 0
-            proxy.heal()
+            for proxy in proxies:
+                assert proxy is not None
+                proxy.heal()
             t_heal = time.monotonic()
             if not wait_upper(at_heal + 1, 300, f"after healing the {fault} of {path}"):
                 raise TimeoutError(f"the sink did not resume within 300 s after healing the {fault} of {path}")
             moved = recorder.when(at_heal + 1) or time.monotonic()
-            rec = {"fault": fault, "path": path, "seconds": round(t_heal - t0, 1), "upper_at_heal": at_heal,
-                   "heal_to_upper_s": round(max(0.0, moved - t_heal), 2),
-                   "exits": sum(restarts_by_self.values()) - exits_before}
+            rec: dict[str, Any] = {
+                "fault": fault, "path": path, "seconds": round(t_heal - t0, 1), "upper_at_heal": at_heal,
+                "heal_to_upper_s": round(max(0.0, moved - t_heal), 2),
+                "exits": sum(restarts_by_self.values()) - exits_before}
+            if fault == "loss":  # the packets the dropper saw and lost meanwhile, both ways
+                after = [p.loss_counters() for p in proxies if p is not None]
+                rec["packets_dropped"] = sum(a.out_dropped + a.in_dropped - b.out_dropped - b.in_dropped
+                                             for a, b in zip(after, dropped_before, strict=True))
+                rec["packets_passed"] = sum(a.out_passed + a.in_passed - b.out_passed - b.in_passed
+                                            for a, b in zip(after, dropped_before, strict=True))
             log(f"network fault: {rec}")
             return rec
 
         kills: list[dict[str, Any]] = []
         net_faults: list[dict[str, Any]] = []
+        net_skipped: list[dict[str, Any]] = []
         switched_at: int | None = None
         producer_thread = threading.Thread(target=produce, name="workload", daemon=True)
         exit_code = 0
@@ -484,8 +526,12 @@ def main(argv: list[str] | None = None) -> int:
                 catalog.allow_writes(sink_b)
                 switched_at = recorder.upper()
             for j, (fault, path, seconds) in enumerate(network_plan(net_wanted, args.quick, rng)):
+                if fault == "loss" and stack.loss_unavailable:
+                    net_skipped.append({"fault": fault, "path": path, "reason": stack.loss_unavailable})
+                    continue
                 wait_upper(workload.frontier, 300, f"progress before network fault {j}")
                 net_faults.append(network_fault(fault, path, seconds))
+                log(f"{j + 1}/{net_wanted} network faults")
             # Converge: the last step's frontier, then the subscribe's.
             if not wait_upper(workload.frontier + STEP_TIMES, 900, "after the last kill"):
                 raise TimeoutError("the sink did not get back in step after the last kill")
@@ -541,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
         heals = sorted(f["heal_to_upper_s"] for f in net_faults)
         summary.update(
             network_faults=net_faults,
+            network_fault_count=len(net_faults),
+            network_faults_by_kind=dict(Counter(f"{f['fault']}/{f['path']}" for f in net_faults)),
+            network_faults_skipped=net_skipped,
+            loss_unavailable=stack.loss_unavailable if loss_planned else None,
             heal_to_upper_p50_s=round(statistics.median(heals), 2) if heals else None,
             heal_to_upper_max_s=heals[-1] if heals else None,
             kills=len(kills),
@@ -556,6 +606,19 @@ def main(argv: list[str] | None = None) -> int:
                 check(summary, divergences, shard, recorder, workload, final, msgs, check_progress_order, changes_of, args.quick)
             except Divergence as e:
                 divergences.append(str(e))
+        elif recorder.states:
+            # The run could not finish (a sink that stalled, a timeout): check the history it
+            # made up to the upper the shard reached (no subscribe check), so that the summary
+            # still says whether anything was lost, doubled or misplaced on the way.
+            try:
+                recorder.poll_once()
+                reached = int(shard.refresh().upper.time or 0)
+                summary["checked_up_to_upper"] = reached
+                check(summary, divergences, shard, recorder, workload, reached, None, check_progress_order, changes_of, args.quick)
+            except Divergence as e:
+                divergences.append(str(e))
+            except Exception as e:  # noqa: BLE001 - the run's own error is the one reported
+                log(f"the partial check of the unfinished run failed: {e!r}")
         summary["logs"] = str(work / "logs")
     summary["seconds"] = round(time.monotonic() - t_run, 1)
     summary["divergences"] = divergences
@@ -565,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"DIVERGENCE: {d}")
     print(
         f"chaos: {'OK' if ok else 'FAILED'}: {summary['kills']} kills {summary['kills_by_service']}, "
-        f"{len(summary['network_faults'])} network faults (heal to upper: max {summary['heal_to_upper_max_s']} s), "
+        f"{len(summary['network_faults'])} network faults (heal to upper: max {summary['heal_to_upper_max_s']} s"
+        f"{', %d skipped: %s' % (len(summary['network_faults_skipped']), summary['loss_unavailable']) if summary['network_faults_skipped'] else ''}), "
         f"{summary.get('appends', 0)} appends, {summary['updates']} updates, "
         f"{summary.get('subscribe_changes', 0)} subscribe changes, {len(divergences)} divergences",
         file=sys.stderr,
@@ -656,6 +720,13 @@ def check(summary: dict[str, Any], divergences: list[str], shard: Any, recorder:
     everything = shard.updates_between(head, 0, head.upper)
     all_got = table_updates(everything)
     all_want = model_between(sent, 0, final)
+    # Per (row, time): more weight than the model is doubled, less is lost.
+    doubled = lost = 0
+    for key in set(all_got) | set(all_want):
+        got_n, want_n = abs(all_got.get(key, 0)), abs(all_want.get(key, 0))
+        doubled += max(0, got_n - want_n)
+        lost += max(0, want_n - got_n)
+    summary.update(doubled_updates=doubled, lost_updates=lost)
     if all_got != all_want:
         divergences.append(f"expected the shard's updates to equal the model's (none lost or doubled): {differ(all_got, all_want)}")
     uppers = sorted({int(s.upper.time) for s in states.values() if s.upper.time})

@@ -18,7 +18,10 @@ killed on exit, also when a test fails) nor compete with it for the GIL.
 that can partition, black-hole or delay the path: the broker advertises its proxy's address,
 so every Kafka client goes through it after bootstrap (the broker's own port is only a
 bootstrap address), and ``env()`` points S3 clients at the S3 proxy (``env(direct_s3=True)``
-at the server itself, for observers that must not be cut off).
+at the server itself, for observers that must not be cut off). With ``net_loss=True`` as well,
+each proxy reaches its server over a lossy path (a veth into a private network namespace, see
+:mod:`shared.devstack.lossy_link`) so that ``proxy.loss(5.0)`` loses real packets; where the
+machine cannot build one, ``stack.loss_unavailable`` says why and the proxies forward directly.
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ class EmbeddedStack:
     log_dir: Path | None = None
     #: Both servers behind fault proxies (see the module docstring).
     net_faults: bool = False
+    #: With ``net_faults``: the proxies' upstream paths can lose packets (see the docstring).
+    net_loss: bool = False
     kafka_proxy: FaultProxy | None = field(default=None, repr=False)
     s3_proxy: FaultProxy | None = field(default=None, repr=False)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
@@ -142,6 +147,13 @@ class EmbeddedStack:
             return f"http://{self.s3_proxy.address}"
         return self.s3_endpoint
 
+    @property
+    def loss_unavailable(self) -> str | None:
+        """Why the proxies cannot lose packets (``net_loss`` asked for on a machine that cannot
+        build the lossy path), or None."""
+        reasons = [p.loss_unavailable for p in (self.s3_proxy, self.kafka_proxy) if p is not None]
+        return next((r for r in reasons if r), None)
+
     def env(self, *, direct_s3: bool = False) -> dict[str, str]:
         """The environment variables the services and the CLI read, pointing at this stack
         (through the proxies with ``net_faults``; S3 directly with ``direct_s3``)."""
@@ -166,8 +178,8 @@ class EmbeddedStack:
         atexit.register(self.stop)
         try:
             if self.net_faults:
-                self.s3_proxy = FaultProxy(self.s3_port, name="s3").start()
-                self.kafka_proxy = FaultProxy(self.kafka_port, name="kafka").start()
+                self.s3_proxy = FaultProxy(self.s3_port, name="s3", loss_path=self.net_loss).start()
+                self.kafka_proxy = FaultProxy(self.kafka_port, name="kafka", loss_path=self.net_loss).start()
             self._start_s3(logs, timeout_s)
             self._start_kafka(logs, timeout_s)
         except BaseException:

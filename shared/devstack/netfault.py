@@ -13,6 +13,18 @@ on command, partitions, black-holes, delays or heals the path (tests and fault c
         proxy.latency(50, jitter_ms=20)  # every chunk delayed by 30-70 ms, order kept
         proxy.heal()        # back to plain forwarding (no latency)
 
+    with FaultProxy(target_port=port, loss_path=True) as proxy:
+        proxy.loss(5.0)     # 5 % of the packets lost each way (real packets: see below)
+        proxy.heal()
+
+Packet loss needs a real network device: a proxy cannot lose a packet, TCP hides it. With
+``loss_path=True`` the proxy's upstream connections cross a veth pair into a private network
+namespace, where a relay (in the proxy's own loop) connects back to the target, and
+``loss()`` attaches a packet dropper to the veth (:mod:`shared.devstack.lossy_link`). Where
+the machine cannot do that (not root, no namespaces, no tcx eBPF) the proxy forwards
+directly, ``loss_unavailable`` holds the reason, and ``loss()`` raises
+:class:`LossPathUnavailableError` with it.
+
 The proxy runs an asyncio loop in a daemon thread; the commands are synchronous: when
 ``partition()`` returns, the listener is closed and every connection reset. ``heal()``
 re-binds the same port, so the proxy's port is picked below the kernel's ephemeral range
@@ -37,6 +49,10 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
+
+from shared.devstack.lossy_link import LossCounters, LossPathUnavailableError, LossyLink
+
+__all__ = ["FaultProxy", "LossCounters", "LossPathUnavailableError", "NetFaultError", "ProxyCounters", "stable_port"]
 
 Mode = Literal["pass", "partition", "blackhole"]
 
@@ -88,7 +104,10 @@ class ProxyCounters:
     bytes_forwarded: int = 0
     partitions: int = 0
     blackholes: int = 0
+    losses: int = 0
     heals: int = 0
+    #: Connections the relay in the lossy path's namespace carried (``loss_path=True``).
+    relayed: int = 0
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -128,6 +147,7 @@ class FaultProxy:
         target_host: str = "127.0.0.1",
         name: str = "proxy",
         seed: int | None = None,
+        loss_path: bool = False,
     ) -> None:
         self.target = (target_host, target_port)
         self.host = host
@@ -142,6 +162,15 @@ class FaultProxy:
         self._server: asyncio.Server | None = None
         self._flowing: asyncio.Event | None = None
         self._conns: set[_Conn] = set()
+        #: Lossy path (``loss_path=True``): the veth link, the relay's listener in its
+        #: namespace, and the relay's connections.
+        self._want_loss_path = loss_path
+        self._link: LossyLink | None = None
+        self._relay_sock: socket.socket | None = None
+        self._relay_server: asyncio.Server | None = None
+        self._relay_conns: set[_Conn] = set()
+        #: Why ``loss()`` cannot work here (None: it can, or it was not asked for).
+        self.loss_unavailable: str | None = None
 
     # -- addresses and state ----------------------------------------------------------------
     @property
@@ -154,6 +183,15 @@ class FaultProxy:
         return self._mode
 
     @property
+    def loss_percent(self) -> float:
+        """The packet loss on the upstream path now (0 without a loss fault)."""
+        return self._link.loss_percent if self._link is not None else 0.0
+
+    def loss_counters(self) -> LossCounters:
+        """Packets the lossy path saw and dropped each way (zeros without one)."""
+        return self._link.counters() if self._link is not None else LossCounters()
+
+    @property
     def connections(self) -> int:
         """Connections being forwarded (or held) now."""
         return len(self._conns)
@@ -163,6 +201,8 @@ class FaultProxy:
         if self._thread is not None:
             return self
         self.port = self.port or stable_port(self.host, self._rng)
+        if self._want_loss_path:
+            self._open_loss_path()
         ready = threading.Event()
         failure: list[BaseException] = []
 
@@ -189,8 +229,31 @@ class FaultProxy:
         ready.wait(30)
         if failure:
             self._thread = None
+            self._close_loss_path()
             raise NetFaultError(f"expected the {self.name} proxy to listen on {self.address}, found: {failure[0]}")
         return self
+
+    def _open_loss_path(self) -> None:
+        """The veth link and the relay's listener, or the reason there are none."""
+        try:
+            link = LossyLink(self._rng).open()
+        except LossPathUnavailableError as e:
+            self.loss_unavailable = e.reason
+            return
+        try:
+            self._relay_sock = link.listen_socket()
+        except BaseException:
+            link.close()
+            raise
+        self._link = link
+
+    def _close_loss_path(self) -> None:
+        link, self._link = self._link, None
+        sock, self._relay_sock = self._relay_sock, None
+        if sock is not None:
+            sock.close()
+        if link is not None:
+            link.close()
 
     def stop(self) -> None:
         if self._thread is None or self._loop is None:
@@ -201,6 +264,7 @@ class FaultProxy:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._thread = None
+            self._close_loss_path()
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -226,9 +290,21 @@ class FaultProxy:
             raise ValueError(f"expected a latency and jitter >= 0 ms, found {ms} and {jitter_ms}")
         self._latency_s = (ms / 1000.0, jitter_ms / 1000.0)
 
+    def loss(self, percent: float) -> None:
+        """Lose ``percent`` % of the packets each way on the path to the target (open
+        connections included) until :meth:`heal`. Needs ``loss_path=True`` and a machine that
+        can build it; raises :class:`LossPathUnavailableError` otherwise."""
+        if self._link is None:
+            reason = self.loss_unavailable or f"the {self.name} proxy was started without loss_path=True"
+            raise LossPathUnavailableError(reason)
+        self._link.set_loss(percent)
+        self.counters.losses += 1
+
     def heal(self) -> None:
-        """Listen and forward again, without latency; held bytes go on their way."""
+        """Listen and forward again, without latency or loss; held bytes go on their way."""
         self._latency_s = (0.0, 0.0)
+        if self._link is not None:
+            self._link.clear()
         self._call(self._heal())
 
     # -- inside the loop --------------------------------------------------------------------
@@ -245,6 +321,8 @@ class FaultProxy:
                 self._server = await asyncio.start_server(
                     self._on_client, self.host, self.port, reuse_address=True, backlog=512
                 )
+                if self._relay_sock is not None and self._relay_server is None:
+                    self._relay_server = await asyncio.start_server(self._on_relay, sock=self._relay_sock)
                 return
             except OSError as e:
                 # Another socket may hold the port for a moment (see stable_port).
@@ -283,7 +361,13 @@ class FaultProxy:
         if self._server is not None:
             server, self._server = self._server, None
             server.close()
+        if self._relay_server is not None:
+            relay, self._relay_server = self._relay_server, None
+            relay.close()
         self._reset_all()
+        relayed, self._relay_conns = self._relay_conns, set()
+        for c in relayed:
+            c.reset()
         for _ in range(3):  # let the cancelled pumps finish
             await asyncio.sleep(0)
 
@@ -301,8 +385,10 @@ class FaultProxy:
             _reset(writer)
             return
         self.counters.accepted += 1
+        # Through the veth to the relay in the lossy path's namespace, or straight on.
+        upstream = (self._link.ns_ip, self._relay_port()) if self._link is not None else self.target
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            up_reader, up_writer = await asyncio.open_connection(*upstream)
         except OSError:
             self.counters.upstream_refused += 1
             _reset(writer)
@@ -320,6 +406,42 @@ class FaultProxy:
         await asyncio.gather(*conn.tasks, return_exceptions=True)
         if conn in self._conns:
             self._conns.discard(conn)
+            for w in (writer, up_writer):
+                w.close()
+
+    def _relay_port(self) -> int:
+        assert self._relay_sock is not None
+        return int(self._relay_sock.getsockname()[1])
+
+    async def _on_relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The far end of the lossy path (accepted in the namespace): plain forwarding to the
+        target on the host's loopback. A reset on either side resets the other."""
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            self.counters.upstream_refused += 1
+            _reset(writer)
+            return
+        self.counters.relayed += 1
+        conn = _Conn(writer, up_writer)
+        self._relay_conns.add(conn)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(CHUNK):
+                    dst.write(data)
+                    await dst.drain()
+                if dst.can_write_eof():
+                    dst.write_eof()
+            except (ConnectionError, OSError):
+                if conn in self._relay_conns:
+                    self._relay_conns.discard(conn)
+                    conn.reset()
+
+        conn.tasks = [asyncio.create_task(pipe(reader, up_writer)), asyncio.create_task(pipe(up_reader, writer))]
+        await asyncio.gather(*conn.tasks, return_exceptions=True)
+        if conn in self._relay_conns:
+            self._relay_conns.discard(conn)
             for w in (writer, up_writer):
                 w.close()
 
