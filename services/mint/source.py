@@ -52,6 +52,7 @@ import base64
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -244,6 +245,12 @@ def mint_source(desired_topic: str, hold_file: str | None) -> tuple[str, type[Mi
     return MINT_SOURCE, MintDataSource, {HOLD_OPTION: json.dumps(hold)}
 
 
+#: With sinks held (a description in flight) and nothing else new, the shared mint source
+#: makes a micro-batch this often (its offsets' :data:`TICK_KEY` counts them).
+HELD_TICK_S = 1.0
+TICK_KEY = ANNOTATION_PREFIX + "tick"
+
+
 class MintFleetReader(HoldFileReader):
     """The shared mint query's reader (:class:`shared.spark.fleet_source.HoldFileReader`: every
     member's desired topic, held while the driver lists the member in the holds file) that
@@ -251,7 +258,11 @@ class MintFleetReader(HoldFileReader):
     :class:`MintStreamReader` does for one sink: ``{"<sink>@<epoch>": {"<partition>": [offset,
     base64 value]}}`` under :data:`PROGRESS_KEY` (``[-1, null]``: none; no entry: its tail could
     not be read, and the driver reads it). The tails are read here, in the source runner, on a
-    few threads, so the driver coordinates and reads no desired record."""
+    few threads, so the driver coordinates and reads no desired record. While the driver holds
+    sinks back and nothing else comes, it makes a micro-batch every :data:`HELD_TICK_S` (the
+    driver reads a waiting sink's shard in case its upper's announcement was lost)."""
+
+    _ticked: float = 0.0
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         from services.sinkio import latest_progress_record
@@ -262,8 +273,20 @@ class MintFleetReader(HoldFileReader):
         ranges = [(k, p, s.get(k, {}).get(p, 0), b) for k in sorted(members) for p, b in sorted(e.get(k, {}).items())
                   if b > s.get(k, {}).get(p, 0)]
         if not ranges:
+            if s != e:
+                return end
+            held = self.held_keys()
+            now = time.monotonic()
+            if held and now - self._ticked >= HELD_TICK_S:
+                # Sinks wait for their uppers and nothing comes: a micro-batch anyway, in which
+                # the driver reads the shards of those whose read is due (an announcement may
+                # have been lost), so a wait never outlives a lost announcement.
+                self._ticked = now
+                base = {k: v for k, v in start.items() if k != PROGRESS_KEY}
+                return {**base, TICK_KEY: int(start.get(TICK_KEY, 0)) + 1}
             # Nothing new: the start as it is (its annotation too), so no micro-batch is made.
-            return dict(start) if s == e else end
+            return dict(start)
+        self._ticked = time.monotonic()
         prefix = update_prefix()
 
         def one(r: tuple[str, int, int, int]) -> Tail:

@@ -241,7 +241,7 @@ def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired:
 
 
 def test_the_shared_mint_source_finds_each_members_latest_statement_while_planning(
-    stack: EmbeddedStack, unique_id: str, tmp_path: Path
+    stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The shared mint query's source (:class:`services.mint.source.MintFleetReader`) logs, for
     each admitted member range, its latest progress statement (``[-1, null]`` for a range
@@ -278,5 +278,19 @@ def test_the_shared_mint_source_finds_each_members_latest_statement_while_planni
     produce(stack.bootstrap_servers, s1.desired_topic, [(1, b"u"), (1, progress_statement(12, 1))])
     later = r.latestOffset(end, limit)
     assert ms.fleet_planned_progress(later) == {k1: {1: (2, progress_statement(12, 1))}}  # only the new range
+    # A sink held back (its description in flight) and nothing new: a micro-batch anyway every
+    # HELD_TICK_S, in which the driver reads the shard of a sink that waits (a lost announcement).
+    from shared.spark.fleet_source import write_holds
+
+    clock = frozen_monotonic(monkeypatch)
+    assert r.latestOffset(later, limit) == later  # nobody held: no micro-batch
+    write_holds(members, {k0})
+    clock[0] += ms.HELD_TICK_S
+    ticked = r.latestOffset(later, limit)
+    assert ticked[ms.TICK_KEY] == 1 and ms.PROGRESS_KEY not in ticked
+    assert {k: v for k, v in ticked.items() if k != ms.TICK_KEY} == {k: v for k, v in later.items() if k != ms.PROGRESS_KEY}
+    assert r.latestOffset(ticked, limit) == ticked  # within the second: nothing
+    clock[0] += ms.HELD_TICK_S
+    assert r.latestOffset(ticked, limit)[ms.TICK_KEY] == 2
     r.stop()
     close_pooled_consumers()
