@@ -7,8 +7,9 @@ out), one after the other, ``reps`` times in turn (each rep in a rotated order),
 process:
 
 - ``ours``: what a merge runs (:meth:`shared.shard.Shard.merge_here`): the parts read and
-  decoded on 8 threads (:func:`shared.shard_read.read_parts`), :func:`shared.shard.merge_table`,
-  the result written as parts (:meth:`shared.shard.Shard.write_parts`) to a local folder;
+  decoded on 8 threads (:func:`shared.shard_read.read_parts`, strings kept in Parquet's
+  dictionaries as the merge reads them), :func:`shared.shard.merge_table`, the result written
+  as parts (:meth:`shared.shard.Shard.write_parts`) to a local folder;
 - ``duckdb``: ``COPY (SELECT <row columns>, _error, greatest(_time, since) AS _time,
   SUM(_diff) AS _diff FROM read_parquet([...]) GROUP BY ALL HAVING SUM(_diff) <> 0) TO ...``
   with ``SET threads`` = the machine's cores;
@@ -98,7 +99,7 @@ def copy_parts(store: Any, keys: Sequence[str], folder: Path) -> list[str]:
 
 def _ours(src: Path, keys: Sequence[str], out: Path, since: int, schema: dict[str, Any]) -> None:
     view = schema_view(schema)
-    table = read_parts(LocalFiles(src), keys, view, threads=8)
+    table = read_parts(LocalFiles(src), keys, view, threads=8, dictionaries=True)
     merged = merge_table(table, Frontier.at(since), view.row_columns, view.part_schema)
     Shard(LocalFiles(out), "peer-ours").write_parts(merged, view=view)
 

@@ -365,8 +365,11 @@ class Shard:
         errors = table.num_rows - table[ERROR].null_count if ERROR in table.column_names else 0
         return Part(key=key, rows=table.num_rows, bytes=len(data), errors=errors)
 
-    def _read_parts(self, keys: Sequence[str], view: SchemaView | None = None) -> pa.Table:
-        return shard_read.read_parts(self.store, keys, view or self.view(), threads=self._io_threads)
+    def _read_parts(
+        self, keys: Sequence[str], view: SchemaView | None = None, *, dictionaries: bool = False
+    ) -> pa.Table:
+        return shard_read.read_parts(self.store, keys, view or self.view(), threads=self._io_threads,
+                                     dictionaries=dictionaries)
 
     def read_parts(self, keys: Sequence[str], *, schema: dict[str, Any] | None = None) -> pa.Table:
         """The rows of the given data objects in the part schema of ``schema`` (default: the
@@ -664,8 +667,9 @@ class Shard:
         current one), writing the merged parts; the caller commits the result (or deletes its
         parts)."""
         view = self.view(schema)
-        table = merge_table(self._read_parts([p.key for b in run for p in b.parts], view), since,
-                            view.row_columns, view.part_schema)
+        # Strings stay in Parquet's dictionaries until the merge has chosen its rows.
+        keys = [p.key for b in run for p in b.parts]
+        table = merge_table(self._read_parts(keys, view, dictionaries=True), since, view.row_columns, view.part_schema)
         if table.num_rows == 0:
             return None
         return merged_batch(run, since, self.write_parts(table, view=view))

@@ -108,13 +108,51 @@ def encode_part(
     return buf.getvalue()
 
 
-def decode_part(data: bytes) -> pa.Table:
+def decode_part(data: bytes, *, dictionaries: bool = False) -> pa.Table:
     """A data object's Parquet bytes as a table (schema metadata kept).
 
     Through :class:`pyarrow.parquet.ParquetFile` rather than :func:`pyarrow.parquet.read_table`,
     whose dataset machinery costs more than the decoding of a part of 50k rows (20 parts of
-    50k rows, 8.2 MB, on 8 threads: 102 -> 57 ms of CPU, 56 -> 29 ms of wall time)."""
-    return pq.ParquetFile(pa.BufferReader(data)).read()
+    50k rows, 8.2 MB, on 8 threads: 102 -> 57 ms of CPU, 56 -> 29 ms of wall time).
+
+    ``dictionaries``: the top-level string and binary columns that Parquet stored with a
+    dictionary in every row group come back as Arrow dictionary arrays (Parquet's dictionary
+    and indices, no value materialised; :func:`plain_schema` is the schema they stand for),
+    for a merge, which groups rows by those indices and materialises only the rows it keeps
+    (1M strings of 1,000 values in 20 parts: 20.6 ms of CPU to decode as strings, 6.2 as a
+    dictionary)."""
+    f = pq.ParquetFile(pa.BufferReader(data))
+    if dictionaries:
+        names = _stored_with_dictionary(f)
+        if names:
+            f = pq.ParquetFile(pa.BufferReader(data), metadata=f.metadata, read_dictionary=names)
+    return f.read()
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+                or pa.types.is_large_binary(t))
+
+
+def _stored_with_dictionary(f: pq.ParquetFile) -> list[str]:
+    """The top-level string and binary columns of ``f`` with a dictionary page in every row
+    group."""
+    md = f.metadata
+    text = {field.name for field in f.schema_arrow if _is_text(field.type)}
+    if not text or md.num_row_groups == 0:
+        return []
+    groups = [md.row_group(i) for i in range(md.num_row_groups)]
+    paths = [groups[0].column(j).path_in_schema for j in range(md.num_columns)]
+    return [p for j, p in enumerate(paths) if p in text and all(g.column(j).has_dictionary_page for g in groups)]
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with its dictionary-encoded fields as their value type (``schema`` itself
+    when it has none)."""
+    if not any(pa.types.is_dictionary(f.type) for f in schema):
+        return schema
+    fields = [f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema]
+    return pa.schema(fields, metadata=schema.metadata)
 
 
 def conform_part(table: pa.Table, view: SchemaView) -> pa.Table:

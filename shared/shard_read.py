@@ -39,6 +39,7 @@ from shared.shard_format import (
     SchemaView,
     conform_part,
     decode_part,
+    plain_schema,
     schema_view,
 )
 from shared.shard_merge import consolidate
@@ -70,20 +71,47 @@ class ListenEvent:
     updates: pa.Table
 
 
-def read_parts(store: ObjectStore, keys: Sequence[str], view: SchemaView, *, threads: int) -> pa.Table:
+def read_parts(
+    store: ObjectStore, keys: Sequence[str], view: SchemaView, *, threads: int, dictionaries: bool = False
+) -> pa.Table:
     """The rows of the data objects ``keys`` in ``view``'s part schema, whatever version they
-    were written in (not consolidated), fetched and decoded on up to ``threads`` threads."""
+    were written in (not consolidated), fetched and decoded on up to ``threads`` threads.
+
+    ``dictionaries`` (a merge's read, :func:`shared.shard_merge.merge_table` takes it as it
+    is): the string and binary columns that Parquet stored with a dictionary stay
+    dictionary-encoded (:func:`shared.shard_format.decode_part`), and the table's
+    :func:`plain_schema` is the part schema. A part written in another version is read as
+    usual, and a column that some part stored without a dictionary is cast to its plain type
+    in every part."""
     if not keys:
         return view.part_schema.empty_table()
 
     def one(k: str) -> pa.Table:
-        return conform_part(decode_part(store.get(k)), view)
+        t = decode_part(store.get(k), dictionaries=dictionaries)
+        plain = plain_schema(t.schema)
+        if plain is not t.schema:
+            if plain.equals(view.part_schema):
+                return t
+            t = t.cast(plain)
+        return conform_part(t, view)
 
     if len(keys) == 1:
         return one(keys[0])
     with ThreadPoolExecutor(max_workers=min(threads, len(keys))) as ex:
         tables = list(ex.map(one, keys))
+    if dictionaries and any(not t.schema.equals(tables[0].schema) for t in tables[1:]):
+        # A column dictionary-encoded in one part and not in another: plain in every part.
+        plain = {f.name for t in tables for f in t.schema if not pa.types.is_dictionary(f.type)}
+        tables = [_decoded(t, plain) for t in tables]
     return pa.concat_tables(tables)
+
+
+def _decoded(table: pa.Table, names: set[str]) -> pa.Table:
+    """``table`` with its dictionary-encoded columns among ``names`` as their value type."""
+    fields = [f.with_type(f.type.value_type) if f.name in names and pa.types.is_dictionary(f.type) else f
+              for f in table.schema]
+    schema = pa.schema(fields, metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
 
 
 def read_parts_as_written(

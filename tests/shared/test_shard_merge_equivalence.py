@@ -1,15 +1,18 @@
 """The merge's consolidation equals the one it replaced (issue 31).
 
-:func:`shared.shard_merge.consolidate` now groups rows by one 64-bit hash (a bucketed sort,
-runs checked column by column against their first row). The previous implementation, a sort
-on every key column with a Python fallback for the types Arrow cannot sort, is kept here as
-the reference (``reference_consolidate``, as it was at 9cd4795). On the model tests'
-histories (tests/shared/test_shard_compaction_model.py: flat rows with ``-0.0``, NaN, nulls,
-bytes, booleans; nested rows with arrays and maps; error rows, retractions, multiplicities)
-and on rows with floats inside lists, maps and records, :func:`merge_table` writes the same
-updates as the reference (as a multiset: the order of the groups may differ), in the part
-schema, whatever the threads, with the bucketed sort or the plain one, and when every row's
-hash collides with others' (the exact fallback).
+:func:`shared.shard_merge.consolidate` groups rows by one 64-bit hash (each row's first row of
+equal hash found by a hash table built with numpy scatters, rows checked column by column
+against that first row). The implementation before issue 31, a sort on every key column with
+a Python fallback for the types Arrow cannot sort, is kept here as the reference
+(``reference_consolidate``, as it was at 9cd4795). On the model tests' histories
+(tests/shared/test_shard_compaction_model.py: flat rows with ``-0.0``, NaN, nulls, bytes,
+booleans; nested rows with arrays and maps; error rows, retractions, multiplicities) and on
+rows with floats inside lists, maps and records, :func:`merge_table` writes the same updates
+as the reference (as a multiset: the order of the groups may differ), in the part schema,
+whatever the threads, with a table of many slots or of two (every round places at most two
+hashes: many rounds), and when every row's hash collides with others' (the exact fallback).
+Strings read as Parquet's dictionaries (a merge's read) consolidate as their values, whatever
+the chunks' dictionaries hold, and merge to the plain read's table.
 """
 
 from __future__ import annotations
@@ -29,8 +32,20 @@ from hypothesis import strategies as st
 
 import shared.shard_merge as shard_merge
 from shared.frontier import Frontier
-from shared.shard_format import DIFF, ERROR, SAMPLE_ROWS, TIME, even_sample, schema_view, updates_to_table
+from shared.objectstore import MemoryObjectStore
+from shared.shard_format import (
+    DIFF,
+    ERROR,
+    SAMPLE_ROWS,
+    TIME,
+    encode_part,
+    even_sample,
+    plain_schema,
+    schema_view,
+    updates_to_table,
+)
 from shared.shard_merge import consolidate, merge_table
+from shared.shard_read import read_parts
 from tests.shared.test_shard_compaction_model import FLAT, NESTED, flat_rows, histories, nested_rows, record
 
 # -- the reference: the consolidation before issue 31 -------------------------------------
@@ -194,12 +209,16 @@ def check_equal(table: pa.Table, since: int, schema: dict[str, Any], threads: in
 # -- the properties -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bucket_rows", [1 << 15, 1], ids=["plain-sort", "bucketed-sort"])
+@pytest.mark.parametrize(
+    "slot_bits,parallel_rows", [(62, 1 << 15), (62, 1), (1, 1)],
+    ids=["wide-table", "wide-table-threaded-steps", "two-slot-table-threaded-steps"],
+)
 @pytest.mark.parametrize("schema,rows", CASES, ids=IDS)
 def test_merge_writes_the_updates_the_previous_merge_wrote(
-    schema: dict[str, Any], rows: Any, bucket_rows: int, monkeypatch: pytest.MonkeyPatch
+    schema: dict[str, Any], rows: Any, slot_bits: int, parallel_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(shard_merge, "_BUCKET_ROWS", bucket_rows)
+    monkeypatch.setattr(shard_merge, "_SLOT_BITS", slot_bits)
+    monkeypatch.setattr(shard_merge, "_PARALLEL_ROWS", parallel_rows)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(history=histories(rows), since=st.integers(0, 40), threads=st.sampled_from([1, 3]))
@@ -224,7 +243,7 @@ def test_rows_whose_hashes_collide_are_consolidated_exactly(
         return h, tmp
 
     monkeypatch.setattr(shard_merge, "_row_hash", coarse)
-    monkeypatch.setattr(shard_merge, "_BUCKET_ROWS", 1)
+    monkeypatch.setattr(shard_merge, "_PARALLEL_ROWS", 1)
 
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(history=histories(rows), since=st.integers(0, 40))
@@ -264,8 +283,8 @@ CHURN = {"type": "record", "name": "Churn", "fields": [
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_a_large_merge_with_retractions_equals_the_reference(threads: int) -> None:
-    """80k rows in 8 parts (the bucketed sort, its chunks shared by the threads): retractions
-    cancel across parts once times are advanced; before since they stay apart."""
+    """80k rows in 8 parts (the hash and the take shared by the threads): retractions cancel
+    across parts once times are advanced; before since they stay apart."""
     view = schema_view(CHURN)
     table = churn(10_000, 8, seed=threads).select(view.part_schema.names).cast(view.part_schema)
     for since in (8, 3):
@@ -297,3 +316,116 @@ def test_consolidation_keeps_each_groups_first_row_and_the_order_of_first_rows()
     got = consolidate(t, ["x"], threads=1)
     assert [canon(v) for v in got["x"].to_pylist()] == [canon(2.0), canon(0.0), None]
     assert got[DIFF].to_pylist() == [2, 1, 3]
+
+
+@pytest.mark.parametrize("slot_bits", [62, 3, 1])
+@pytest.mark.parametrize("distinct", [1, 7, 5_000, 40_000])
+def test_each_rows_representative_is_the_first_row_of_its_hash(
+    slot_bits: int, distinct: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hash table of the consolidation (:func:`shared.shard_merge._first_rows`), by
+    rounds of any width: every row maps to the first row whose hash equals its own."""
+    monkeypatch.setattr(shard_merge, "_SLOT_BITS", slot_bits)
+    rng = np.random.default_rng(distinct)
+    n = 2_000 if slot_bits == 1 else 50_000
+    values = rng.integers(0, 2**64, distinct, dtype=np.uint64, endpoint=False)
+    values[: min(2, distinct)] = [0, 2**63][: min(2, distinct)]  # top bits alone tell these apart
+    h = values[rng.integers(0, distinct, n)]
+    first: dict[int, int] = {}
+    want = np.array([first.setdefault(int(x), i) for i, x in enumerate(h.tolist())])
+    got = shard_merge._first_rows(h.copy(), np.empty(n, np.uint64))
+    assert got.dtype == np.int32
+    assert np.array_equal(got, want)
+
+
+# -- strings read as Parquet's dictionaries (a merge's read) -------------------------------
+
+texts = st.sampled_from(["", "a", "b", "ab", None])
+
+
+@st.composite
+def dictionary_arrays(draw: Any) -> tuple[list[str | None], pa.ChunkedArray]:
+    """Values, and the same values as a chunked dictionary array whose chunks each have their
+    own dictionary: entries repeated, unused, or null, and null rows held either by a null
+    index or by an index to a null entry."""
+    values = draw(st.lists(texts, min_size=1, max_size=40))
+    cuts = sorted(draw(st.lists(st.integers(0, len(values)), max_size=3)))
+    chunks = []
+    for a, b in zip([0, *cuts], [*cuts, len(values)], strict=True):
+        part = values[a:b]
+        extra = draw(st.lists(texts, max_size=3))
+        distinct = sorted({v for v in part if v is not None} | set(extra), key=lambda v: (v is None, v or ""))
+        entries = draw(st.permutations(distinct))
+        entries = [*entries, *draw(st.lists(st.sampled_from(entries), max_size=2))] if entries else entries
+        indices: list[int | None] = []
+        for v in part:
+            at = [i for i, e in enumerate(entries) if e == v]
+            indices.append(draw(st.sampled_from(at)) if at and (v is not None or draw(st.booleans())) else None)
+        chunks.append(pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), pa.array(entries, pa.string())))
+    return values, pa.chunked_array(chunks, type=pa.dictionary(pa.int32(), pa.string()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(column=dictionary_arrays(), data=st.data())
+def test_dictionary_encoded_keys_consolidate_as_their_values(
+    column: tuple[list[str | None], pa.ChunkedArray], data: st.DataObject
+) -> None:
+    """A key column read as Parquet's dictionaries groups by its values, whatever the chunks'
+    dictionaries hold; the groups are the plain column's, in the same order."""
+    values, dictionary = column
+    n = len(values)
+    ks = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    ds = data.draw(st.lists(st.sampled_from([-1, 1, 2]), min_size=n, max_size=n))
+    encoded = pa.table({"s": dictionary, "k": pa.array(ks, pa.int64()), DIFF: pa.array(ds, pa.int64())})
+    plain = pa.table({"s": pa.array(values, pa.string()), "k": pa.array(ks, pa.int64()),
+                      DIFF: pa.array(ds, pa.int64())})
+    assert encoded.cast(plain_schema(encoded.schema)).equals(plain)
+    want = consolidate(plain, ["s", "k"], threads=1)
+    got = consolidate(encoded, ["s", "k"], threads=1)
+    assert got.schema.field("s").type == dictionary.type
+    assert got.cast(plain.schema).equals(want)
+    assert contents(want) == contents(reference_consolidate(plain, ["s", "k"]))
+    # merge_table: the part schema's plain strings, materialised for the rows kept.
+    schema = pa.schema([pa.field("s", pa.string()), pa.field("k", pa.int64()), pa.field(DIFF, pa.int64())])
+    merged = shard_merge._consolidate(encoded, ["s", "k"], 2, plain=True)
+    assert merged.schema.equals(schema)
+    assert merged.equals(want)
+
+
+def _part(view: Any, ids: range, names: list[str | None], errors: list[str | None]) -> bytes:
+    n = len(ids)
+    table = pa.table({
+        "id": pa.array(list(ids), pa.int64()), "name": pa.array(names, pa.string()),
+        "amount": pa.array([i * 0.5 for i in ids], pa.float64()), TIME: pa.array(list(range(n)), pa.uint64()),
+        DIFF: pa.array([1] * n, pa.int64()), ERROR: pa.array(errors, pa.string()),
+    }).select(view.part_schema.names).cast(view.part_schema)
+    return encode_part(table, shard_id="dict", schema_fingerprint=view.fingerprint)
+
+
+def test_a_merges_read_keeps_parquets_dictionaries_and_merges_the_same_rows() -> None:
+    """Parts whose strings Parquet stored with a dictionary (few names, error messages) and a
+    part whose names it stored plain (every name distinct): read as dictionaries where every
+    part stored them so, the rows equal the plain read's, and the merge writes the same table
+    in the part schema."""
+    view = schema_view(CHURN)
+    store = MemoryObjectStore()
+    few = [None if i % 7 == 0 else f"n{i % 3}" for i in range(300)]
+    store.put("a", _part(view, range(300), few, ["bad" if i % 7 == 0 else None for i in range(300)]))
+    store.put("b", _part(view, range(150, 450), [f"name-{i}" for i in range(300)], [None] * 300))
+    store.put("c", _part(view, range(0, 300), few, [None] * 300))
+    for keys in (["a"], ["a", "c"], ["a", "b", "c"]):
+        plain = read_parts(store, keys, view, threads=2)
+        coded = read_parts(store, keys, view, threads=2, dictionaries=True)
+        assert plain.schema.equals(view.part_schema)
+        assert plain_schema(coded.schema).equals(view.part_schema)
+        assert coded.cast(view.part_schema).equals(plain)
+        # Names plain as soon as one part stored them plain; error messages encoded in every part.
+        assert pa.types.is_dictionary(coded.schema.field("name").type) == ("b" not in keys)
+        assert pa.types.is_dictionary(coded.schema.field(ERROR).type)
+        for since in (0, 500):
+            got = merge_table(coded, Frontier.at(since), view.row_columns, view.part_schema)
+            want = merge_table(plain, Frontier.at(since), view.row_columns, view.part_schema)
+            assert got.schema.equals(view.part_schema)
+            assert got.equals(want)
+            assert contents(got) == contents(reference_merge_table(plain, Frontier.at(since), view.row_columns,
+                                                                   view.part_schema))
