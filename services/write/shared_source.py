@@ -73,6 +73,10 @@ DESCRIPTION_WEIGHT = 1_000
 #: At most this many tasks per core in a micro-batch: a task costs a round trip to a Python
 #: worker, and a unit's time is mostly S3 and Kafka round trips, which a task's threads overlap.
 TASKS_PER_CORE = 4
+#: Every member's held desired records are admitted at least this often; between, a
+#: description admits its own sink's (a micro-batch then plans units for the sinks with a
+#: description, not for every sink whose desired topic moved).
+ADMIT_ALL_EVERY_S = 5.0
 #: Threads a task runs its sinks' units on (their time is mostly S3 and Kafka round trips).
 UNIT_THREADS = 4
 _RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
@@ -165,6 +169,9 @@ class WriteFleetReader(FleetStreamReader):
 
     hold = True
     values_only = True
+    #: Every member's held records are admitted at least this often (a description admits
+    #: its own sink's at once).
+    admit_every_s = ADMIT_ALL_EVERY_S
 
     def __init__(self, options: SourceOptions, members_file: str, settings: Any, parallelism: int) -> None:
         super().__init__(options, members_file)
@@ -175,6 +182,22 @@ class WriteFleetReader(FleetStreamReader):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "settings": self.settings, "parallelism": self.parallelism, "_retry_at": 0.0}
+
+    def admitted_on_news(self, start: Offsets, end: Offsets) -> set[str] | None:
+        """The members with a description among the new ``descs`` records: their held records
+        come with it (the others stay held: a micro-batch plans no unit for them)."""
+        topic = self.settings.descs_topic
+        ranges = [KafkaInputPartition(topic, p, start.get(topic, {}).get(p, o), o)
+                  for p, o in sorted(end.get(topic, {}).items()) if o > start.get(topic, {}).get(p, o)]
+        if not ranges:
+            return set()  # news on another control topic: nothing of the members
+        members = self.members()
+        try:
+            descs = self._descriptions(ranges, members, fail_on_data_loss=False)
+        except ShardsinkError:
+            return None  # unreadable now: admit every member, as without this choice
+        by_id = {str(m["sink_id"]): k for k, m in members.items()}
+        return {by_id[sid] for sid in descs if sid in by_id}
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         end = super().latestOffset(start, limit)

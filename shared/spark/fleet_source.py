@@ -134,11 +134,23 @@ class FleetStreamReader(KafkaStreamReader):
         news = any(o > s.get(t, {}).get(p, 0) for t in control for p, o in end.get(t, {}).items())
         waiting = sum(max(0, o - s.get(k, {}).get(p, 0)) for k, ps in end.items() if k in held for p, o in ps.items())
         full = isinstance(limit, ReadMaxRows) and waiting >= int(limit.max_rows)
-        if news or full or now - self._admitted >= self.admit_every_s:
+        if full or now - self._admitted >= self.admit_every_s:
             self._admitted = now
             return end
-        return {k: (ps if k not in held else {p: s[k][p] if p in s.get(k, {}) else o for p, o in ps.items()})
+        admit: set[str] = set()
+        if news:
+            chosen = self.admitted_on_news(s, end)
+            if chosen is None:
+                self._admitted = now
+                return end
+            admit = chosen
+        return {k: (ps if k not in held or k in admit else {p: s[k][p] if p in s.get(k, {}) else o for p, o in ps.items()})
                 for k, ps in end.items()}
+
+    def admitted_on_news(self, start: Offsets, end: Offsets) -> set[str] | None:
+        """The held members that news on a control topic in ``[start, end)`` admits (None:
+        every member)."""
+        return None
 
     def wait_budget(self) -> float:
         budget = super().wait_budget()

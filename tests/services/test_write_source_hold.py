@@ -84,3 +84,53 @@ def test_a_backlog_larger_than_one_micro_batch_is_read_back_to_back(
     nxt = r.latestOffset(end, limit)  # 2 left, below a micro-batch: they wait again
     assert nxt == end
     r.stop()
+
+
+def test_the_shared_write_source_admits_a_sinks_records_with_its_description(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared write query's source (:class:`services.write.shared_source.WriteFleetReader`)
+    holds every member's desired records; a description admits its own sink's (the micro-batch
+    then plans units for that sink only), and every member's are admitted at least every
+    ``ADMIT_ALL_EVERY_S``."""
+    from types import SimpleNamespace
+
+    import services.write.shared_source as wss
+    from services.runtime.fleet import write_members
+    from shared.catalog import SinkDef
+    from shared.codec import message_codec
+    from shared.frontier import Frontier
+    from shared.sink_messages import BatchDescription
+    from shared.spark.fleet_source import MEMBERS_OPTION
+
+    clock = frozen_monotonic(monkeypatch)
+    descs = f"wf-descs-{unique_id}"
+    create_topic(stack.bootstrap_servers, descs, 1)
+    sinks = {}
+    for i in range(2):
+        d = f"wf-d{i}-{unique_id}"
+        create_topic(stack.bootstrap_servers, d, 2)
+        sink = SinkDef(f"s{i}-{unique_id}", d, f"c{i}-{unique_id}", epoch=1)
+        sinks[f"{sink.sink_id}@1"] = sink
+    members = str(tmp_path / "write-shared" / "members.json")
+    write_members(members, sinks)
+    settings = SimpleNamespace(descs_topic=descs)
+    cls = type("T", (wss.WriteFleetDataSource,), {"settings": settings, "parallelism": 2})
+    r: wss.WriteFleetReader = stream_reader(stack.bootstrap_servers, (cls.name(), cls, {MEMBERS_OPTION: members}), [descs])
+    limit: Any = r.getDefaultReadLimit()
+    (ka, a), (kb, b) = sorted(sinks.items())
+    start = r.latestOffset(r.initialOffset(), limit)  # the first look admits everything there is (nothing)
+    produce(stack.bootstrap_servers, a.desired_topic, [(0, b"a0"), (1, b"a1")])
+    produce(stack.bootstrap_servers, b.desired_topic, [(0, b"b0"), (1, b"b1"), (1, b"b2")])
+    clock[0] += 0.1
+    assert r.latestOffset(start, limit) == start  # held, no news
+    desc = BatchDescription(a.sink_id, Frontier.at(0), Frontier.at(5), 1, "tok", partition_count=2)
+    produce(stack.bootstrap_servers, descs, [(0, message_codec("batch_description").encode(desc.to_dict()))])
+    clock[0] += 0.1
+    end = r.latestOffset(start, limit)
+    assert end[descs] == {"0": 1}
+    assert end[ka] == {"0": 1, "1": 1}  # a's description admits a's records
+    assert end[kb] == start[kb] == {"0": 0, "1": 0}  # b's stay held
+    clock[0] += wss.ADMIT_ALL_EVERY_S
+    assert r.latestOffset(end, limit)[kb] == {"0": 1, "1": 2}  # every member's, at least this often
+    r.stop()
