@@ -647,10 +647,12 @@ class ControlProducer:
         self._errors: list[Any] = []
 
     @staticmethod
-    def create(kafka_settings: Any, client_id: str, *, auto_create_topics: bool = True) -> ControlProducer:
+    def create(kafka_settings: Any, client_id: str, *, auto_create_topics: bool = True,
+               config: Mapping[str, Any] | None = None) -> ControlProducer:
         """``auto_create_topics=False``: a topic missing at a metadata refresh stays missing (a
         producer that only writes topics made beforehand, and that others may delete: the
-        controller, whose subscribers delete their output topics)."""
+        controller, whose subscribers delete their output topics). ``config``: more librdkafka
+        options over these defaults (the user's pass-through options still win)."""
         from confluent_kafka import Producer
 
         import logging
@@ -666,6 +668,7 @@ class ControlProducer:
                 "linger.ms": 2,
                 "logger": logging.getLogger("shardsink.kafka.client"),
                 **({} if auto_create_topics else {"allow.auto.create.topics": False}),
+                **(config or {}),
             }
         )
         faults = faults_from_env()  # test only (SHARDSINK_FAULTS): injected delivery errors

@@ -26,6 +26,25 @@ On recovery a subscribe with an intent counts its messages already on the topic 
 duplicate. Its hold keeps since at or below its progress, so the step re-computes the same.
 The pure decisions (the next step, the hold, finality) are in
 :mod:`shared.controller_state`.
+
+Counting is exact only when nothing produced earlier can still land. A Kafka producer can
+report a message failed (a timeout) or still hold it when a flush gives up while the message
+is in flight: it lands later, after the count, and the re-sent copy doubles it (behind a
+progress statement already out). So subscribe output has its own producer (not the one of
+``responses``), idempotent (on a broker that checks producer sequences, what one producer
+writes to the partition is a prefix of what it was given, never reordered or doubled by its
+retries) and without a message timeout (no message is failed by a timeout while it may
+still be sent, which would also bump the producer's epoch and allow a gap). A chunk that is
+not delivered in full within ``flush_timeout_s`` is *ambiguous*; then, in this order:
+
+a. the producer is purged and closed (librdkafka's threads and connections end: nothing it
+   was given is sent afterwards), and forgotten: the next chunk gets a new producer;
+b. the partition's end is re-read until it holds still (bytes already on the wire land);
+c. the messages of the subscribe from the chunk's start are counted, and production goes on
+   after them.
+
+(Transactions would fence the old producer on the broker's side, but the embedded broker,
+Tansu, shows aborted and open transactions to ``read_committed`` readers: no fence there.)
 """
 
 from __future__ import annotations
@@ -41,6 +60,7 @@ from confluent_kafka import TopicPartition
 
 from services.controller.context import ControllerContext, log
 from services.controller.model import OpenCollection, Tick
+from services.sinkio import ControlProducer
 from shared.avro_arrow import arrow_to_rows
 from shared.catalog import CatalogState, FencedError
 from shared.codec import message_codec
@@ -61,6 +81,14 @@ from shared.state import ShardState
 #: step gives up for this tick after this many failed chunks.
 _SUB_CHUNK = 1000
 _SUB_FAILURES = 100
+#: How long a chunk may take to be delivered in full before it counts as ambiguous.
+_SUB_FLUSH_S = 30.0
+#: After an ambiguous chunk, the partition's end must hold still this long (at most
+#: ``_SUB_SETTLE_MAX_S``) before it is counted.
+_SUB_SETTLE_S = 0.5
+_SUB_SETTLE_MAX_S = 10.0
+#: The subscribe output producer's own options over the controller's producer defaults.
+_SUB_PRODUCER_CONFIG = {"enable.idempotence": True, "message.timeout.ms": 0}
 
 
 def encode_changes(codec: Any, sid: str, changes: list[tuple[int, bytes | None, int, str | None]]) -> list[bytes]:
@@ -78,12 +106,28 @@ class SubscribesRoom:
         self.ctx = ctx
         self.sub_codec = message_codec("subscribe_output")
         self._probe: OffsetProbe | None = None  # long-lived: the output partitions' ends
+        #: The producer of subscribe output (a raw confluent_kafka producer, made on first use
+        #: by ``new_output_producer``; tests hand a faulty one), the wait for one chunk and
+        #: the time the end must hold still after an ambiguous one.
+        self._out: Any = None
+        self.new_output_producer: Callable[[], Any] = self._new_output_producer
+        self.flush_timeout_s = _SUB_FLUSH_S
+        self.settle_s = _SUB_SETTLE_S
+
+    def _new_output_producer(self) -> Any:
+        return ControlProducer.create(
+            self.ctx.settings.service.kafka, "controller-subscribes", auto_create_topics=False,
+            config=_SUB_PRODUCER_CONFIG,
+        ).producer
 
     def close(self) -> None:
-        """Close the offset probe (at the end of a run)."""
+        """Close the offset probe and the output producer (at the end of a run)."""
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        if self._out is not None:
+            self._out.flush(5)  # a step that returned left nothing pending: this is quick
+            self._end_output_producer()
 
     # -- subscribes -------------------------------------------------------------------------------
     def subscribe(self, cid: str, b: dict[str, Any], where: str, off: tuple[int, int], raw: bytes) -> None:
@@ -166,6 +210,7 @@ class SubscribesRoom:
             to = Frontier.from_json(emitting["to"])
             msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
             start = int(emitting["offset"])
+            self._settle_end(sub["topic"])  # what an earlier producer left on the wire lands first
             self.produce_step(sid, sub["topic"], msgs, self.count_on_topic(sub["topic"], sid, start))
             self._finish_step(sid, to, bool(emitting.get("final")))
             return
@@ -213,13 +258,14 @@ class SubscribesRoom:
         """Make ``msgs`` the messages of subscribe ``sid`` on ``topic`` after the step's start.
 
         ``known = (n, pos)``: the first ``n`` of ``msgs`` are on the topic, all before offset
-        ``pos``. The rest go out in chunks, each flushed. A chunk that fails may have partly
-        landed (a delivery error fails the messages after it too, never leaving a gap; a
-        message may land and still report an error): the messages of ``sid`` from ``pos`` on
-        are counted and production goes on after them. So a failure costs a re-count of
-        one chunk, not of the whole step, and a large step still completes when deliveries
-        fail now and then. After ``_SUB_FAILURES`` failed chunks the error is raised; the
-        next tick resumes from the recorded intent.
+        ``pos``. The rest go out in chunks, each delivered in full before the next. A chunk
+        that is not (an error or a timeout: ambiguous, some of it may have landed or may
+        still land) ends its producer, then the messages of ``sid`` from ``pos`` on are
+        counted and production goes on after them (the module docstring's a-c). So a failure
+        costs a re-count of one chunk, not of the whole step, and a large step still completes
+        when deliveries fail now and then. After ``_SUB_FAILURES`` ambiguous chunks the error
+        is raised; the next tick resumes from the recorded intent. Whenever this returns or
+        raises, nothing it produced is still in flight.
         """
         n, pos = known
         failures = 0
@@ -227,41 +273,95 @@ class SubscribesRoom:
         for _ in itertools.islice(it, n):  # already on the topic
             pass
         chunk: list[bytes] = []
-        while True:
-            if not chunk:
-                chunk = list(itertools.islice(it, _SUB_CHUNK))
+        try:
+            while True:
                 if not chunk:
-                    return
-            delivered = [-1]
-
-            def on_delivery(err: Any, msg: Any, delivered: list[int] = delivered) -> None:
-                if err is None and msg is not None and msg.offset() is not None:
-                    delivered[0] = max(delivered[0], int(msg.offset()))
-                assert self.ctx.producer is not None
-                self.ctx.producer._on_delivery(err, msg)
-
-            for m in chunk:
-                self._produce_sub(topic, m, sid, on_delivery)
-            try:
-                self.ctx.flush()
-            except KafkaAdapterError:
+                    chunk = list(itertools.islice(it, _SUB_CHUNK))
+                    if not chunk:
+                        return
+                last, problem = self._deliver_chunk(topic, sid, chunk)
+                if problem is None:
+                    chunk = []
+                    pos = max(pos, last + 1)
+                    continue
+                self._end_output_producer()  # a. nothing of the chunk lands after this
                 failures += 1
                 if failures >= _SUB_FAILURES:
-                    raise
-                landed, pos = self.count_on_topic(topic, sid, pos)
+                    raise KafkaAdapterError(
+                        f"expected subscribe {sid} output delivered to {topic}, found {failures} failed chunks, "
+                        f"the last: {problem}", topic=topic, subscribe_id=sid,
+                    )
+                log.warning("subscribe %s: a chunk to %s was not delivered in full (%s): counting what landed",
+                            sid, topic, problem)
+                self._settle_end(topic)  # b.
+                landed, pos = self.count_on_topic(topic, sid, pos)  # c.
                 chunk = chunk[landed:]
-                continue
-            chunk = []
-            pos = max(pos, delivered[0] + 1)
+        except BaseException:
+            self._end_output_producer()  # an error between produce and delivery leaves nothing in flight
+            raise
 
-    def _produce_sub(self, topic: str, value: bytes, sid: str, on_delivery: Callable[[Any, Any], None]) -> None:
-        assert self.ctx.producer is not None
-        while True:
-            try:
-                self.ctx.producer.producer.produce(topic, value=value, key=sid.encode(), partition=0, on_delivery=on_delivery)
+    def _deliver_chunk(self, topic: str, sid: str, chunk: list[bytes]) -> tuple[int, str | None]:
+        """Produce ``chunk`` and wait up to ``flush_timeout_s`` for all of it: ``(the last
+        offset delivered, None)``, or ``(.., what went wrong)`` when any message failed or is
+        still pending (the chunk is then ambiguous)."""
+        if self._out is None:
+            self._out = self.new_output_producer()
+        out = self._out
+        last = [-1]
+        errors: list[Any] = []
+
+        def on_delivery(err: Any, msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+            elif msg is not None and msg.offset() is not None:
+                last[0] = max(last[0], int(msg.offset()))
+
+        deadline = time.monotonic() + self.flush_timeout_s
+        key = sid.encode()
+        for m in chunk:
+            while True:
+                try:
+                    out.produce(topic, value=m, key=key, partition=0, on_delivery=on_delivery)
+                    break
+                except BufferError:
+                    if time.monotonic() > deadline:
+                        return last[0], f"the producer's queue stayed full for {self.flush_timeout_s} s"
+                    out.poll(0.05)
+        pending = int(out.flush(0.5))
+        while pending > 0 and time.monotonic() < deadline:
+            pending = int(out.flush(0.5))
+        if pending > 0:
+            return last[0], f"{pending} messages pending after {self.flush_timeout_s} s"
+        if errors:
+            return last[0], f"{len(errors)} delivery errors, the first {errors[0]}"
+        return last[0], None
+
+    def _end_output_producer(self) -> None:
+        """Purge and close the output producer: once this returns, nothing it was given is sent
+        (its threads and connections are gone); the next chunk gets a new one."""
+        out, self._out = self._out, None
+        if out is None:
+            return
+        try:
+            out.purge(in_queue=True, in_flight=True, blocking=True)
+            out.poll(0)  # serve the purged messages' delivery reports
+        finally:
+            out.close()
+
+    def _settle_end(self, topic: str) -> None:
+        """Wait until the end of ``topic``/0 holds still for ``settle_s`` (at most
+        ``_SUB_SETTLE_MAX_S``): a request already on the wire when its producer closed lands
+        before the count."""
+        if self._probe is None:
+            self._probe = OffsetProbe(self.ctx.settings.service.kafka)
+        deadline = time.monotonic() + _SUB_SETTLE_MAX_S
+        end = self._probe.ends([(topic, 0)])[(topic, 0)]
+        while time.monotonic() < deadline:
+            time.sleep(self.settle_s)
+            again = self._probe.ends([(topic, 0)])[(topic, 0)]
+            if again == end:
                 return
-            except BufferError:
-                self.ctx.producer.producer.poll(0.05)
+            end = again
 
     def _step_messages(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool,
                        lower_kind: str | None) -> Iterable[bytes]:

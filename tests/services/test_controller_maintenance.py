@@ -216,8 +216,11 @@ def test_a_large_subscribe_step_completes_exactly_once_under_delivery_faults(sta
     for m in msgs_of("other", 300) + ours[:700]:
         real.produce(topic, value=m, key=b"k", partition=0)
     real.flush()
-    ctl.producer = ControlProducer(_FaultyProducer(real, 0.005, 0.005))
+    ctl.rooms.subscribes.new_output_producer = lambda: _FaultyProducer(
+        Producer(cs.service.kafka.config(**{"enable.idempotence": True})), 0.005, 0.005)
+    ctl.rooms.subscribes.settle_s = 0.05  # a hundred ambiguous chunks: keep the test short
     ctl._produce_step("ours", topic, ours, ctl._count_on_topic(topic, "ours", 300))
+    ctl.rooms.subscribes.close()
     got = read_subscribe(stack, topic, "ours", until_final=False, timeout_s=10)
     assert [m["time"] for m in got] == list(range(12_000)), "expected every message once, in order"
     assert len(read_subscribe(stack, topic, "other", until_final=False, timeout_s=5)) == 300
