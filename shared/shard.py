@@ -96,6 +96,7 @@ from shared.shard_format import (
 )
 from shared.shard_merge import MERGE_ROWS_PER_PART, consolidate, merge_table, merged_batch
 from shared.shard_read import ListenEvent
+from shared.sink_messages import as_frontier
 from shared.versioned import AlreadyApplied, VersionedLog
 from shared.state import (
     CRITICAL,
@@ -164,14 +165,8 @@ class StagedBatch:
     created_ms: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "shard_id": self.shard_id,
-            "parts": [p.to_json() for p in self.parts],
-            "rows": self.rows,
-            "min_time": self.min_time,
-            "max_time": self.max_time,
-            "created_ms": self.created_ms,
-        }
+        return {"shard_id": self.shard_id, "parts": [p.to_json() for p in self.parts], "rows": self.rows,
+                "min_time": self.min_time, "max_time": self.max_time, "created_ms": self.created_ms}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> StagedBatch:
@@ -279,9 +274,8 @@ class Shard:
 
     # -- head discovery (see shared.versioned) ----------------------------------------------
     def refresh(self, *, enough: Callable[[ShardState], bool] | None = None) -> ShardState:
-        """Find the head: from the cached seqno or the hint, probe forward. ``enough``: see
-        :meth:`shared.versioned.VersionedLog.refresh` (a state that passes it, maybe not the
-        newest, for one request fewer)."""
+        """Find the head: from the cached seqno or the hint, probe forward (``enough``: as
+        :meth:`shared.versioned.VersionedLog.refresh`)."""
         try:
             return self._log.refresh(enough=enough)
         except ShardNotFoundError:
@@ -502,8 +496,8 @@ class Shard:
         (InvalidUsageError otherwise, nothing written). On a mismatch raises
         UpperMismatchError with ``.current``. ``token`` makes retries idempotent.
         """
-        expected = _frontier(expected_upper)
-        new = _frontier(new_upper)
+        expected = as_frontier(expected_upper)
+        new = as_frontier(new_upper)
         validate_append_bounds(expected, new)
         staged: list[StagedBatch] = []
         table = None if updates is None else self.to_table(updates)
@@ -530,8 +524,8 @@ class Shard:
         token: str | None = None,
     ) -> ShardState:
         """Append staged batches (possibly from several writers) as one logical batch."""
-        expected = _frontier(expected_upper)
-        new = _frontier(new_upper)
+        expected = as_frontier(expected_upper)
+        new = as_frontier(new_upper)
         validate_append_bounds(expected, new)
         token = token or uuid.uuid4().hex
         for s in staged:
@@ -629,7 +623,7 @@ class Shard:
         return self._commit(lambda h: apply_heartbeat(h, reader_id, self.clock(), token), token)
 
     def downgrade_since(self, reader_id: str, new_since: Frontier | int) -> ShardState:
-        f = _frontier(new_since)
+        f = as_frontier(new_since)
         token = uuid.uuid4().hex
 
         def transition(h: ShardState) -> ShardState:
@@ -803,8 +797,3 @@ class Shard:
     def list_objects(self) -> list[str]:
         return [i.key for i in self.store.list(self.prefix)]
 
-
-def _frontier(v: Frontier | int) -> Frontier:
-    if isinstance(v, Frontier):
-        return v
-    return Frontier.at(v)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded, deco
 from shared.append_state import AppendState
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
+from shared.side_by_side import side_by_side
 
 log = logging.getLogger("shardsink.append")
 
@@ -153,11 +153,7 @@ class SharedAppend:
             return None
 
         # The sinks' appends are S3 round trips: side by side on a few threads.
-        if len(work) > 1:
-            with ThreadPoolExecutor(max_workers=min(PARALLEL_SINKS, len(work))) as ex:
-                outcomes = list(ex.map(run, work))
-        else:
-            outcomes = [run(w) for w in work]
+        outcomes = side_by_side(run, work, PARALLEL_SINKS)
         # The announcements of every sink go out on one flush (a flush waits for the shared
         # producer's every message anyway).
         self.producer.flush()

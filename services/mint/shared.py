@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +47,7 @@ from services.sinkio import (
 )
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
+from shared.side_by_side import side_by_side
 
 log = logging.getLogger("shardsink.mint")
 
@@ -162,11 +162,7 @@ class SharedMint:
 
         known = (progress or {}) if not first else {}  # a first batch reads its ranges from 0
         todo = [r for r in desired if r[1] not in known.get(r[0], {})]
-        if len(todo) > 1:
-            with ThreadPoolExecutor(max_workers=min(8, len(todo))) as ex:
-                read = dict(zip(todo, ex.map(tail, todo), strict=True))
-        else:
-            read = {r: tail(r) for r in todo}
+        read = dict(zip(todo, side_by_side(tail, todo, PARALLEL_SINKS), strict=True))
         tails = [read[r] if r in read else _found(known[r[0]][r[1]], r[2]) for r in desired]
         statements: dict[str, list[tuple[str, int, int, bytes]]] = {}
         unread: dict[str, list[tuple[int, int, int]]] = {}
@@ -222,11 +218,7 @@ class SharedMint:
             return None
 
         # The sinks' steps are mostly S3 reads of their shards: side by side on a few threads.
-        if len(work) > 1:
-            with ThreadPoolExecutor(max_workers=min(PARALLEL_SINKS, len(work))) as ex:
-                outcomes = list(ex.map(run, work))
-        else:
-            outcomes = [run(w) for w in work]
+        outcomes = side_by_side(run, work, PARALLEL_SINKS)
         # The micro-batch's descriptions are durable before its state is saved (one flush for
         # every sink: a flush waits for the shared producer's every message anyway).
         self.producer.flush()

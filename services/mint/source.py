@@ -54,13 +54,13 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pyspark.sql.streaming.datasource import ReadLimit
 
 from shared.errors import ShardsinkError
 from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json
+from shared.side_by_side import side_by_side
 from shared.spark.fleet_source import HoldFileReader
 from shared.spark.kafka_source import HoldingStreamReader, SourceOptions
 from shared.spark.kafka_connector import KafkaDataSource
@@ -180,11 +180,7 @@ class MintStreamReader(HoldingStreamReader):
 
         # The partitions' tails are read concurrently (a consumer each; librdkafka waits and
         # parses without the GIL): the micro-batch waits for the slowest, not for their sum.
-        if len(ranges) > 1:
-            with ThreadPoolExecutor(max_workers=min(8, len(ranges))) as ex:
-                results = list(ex.map(one, ranges))
-        else:
-            results = [one(r) for r in ranges]
+        results = side_by_side(one, ranges, TAIL_THREADS)
         self._quiet = {}
         for (p, a, b), found in zip(ranges, results, strict=True):
             if isinstance(found, ShardsinkError):
@@ -296,11 +292,7 @@ class MintFleetReader(HoldFileReader):
             except ShardsinkError as ex:
                 return ex
 
-        if len(ranges) > 1:
-            with ThreadPoolExecutor(max_workers=min(TAIL_THREADS, len(ranges))) as ex:
-                tails = list(ex.map(one, ranges))
-        else:
-            tails = [one(r) for r in ranges]
+        tails = side_by_side(one, ranges, TAIL_THREADS)
         progress: dict[str, dict[str, Any]] = {}
         for (k, p, _, _), found in zip(ranges, tails, strict=True):
             if isinstance(found, ShardsinkError):

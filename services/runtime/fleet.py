@@ -34,6 +34,7 @@ from services.runtime.checkpoints import checkpoint_owner
 from services.runtime.settings import ServiceSettings
 from services.runtime.supervisor import stop_query
 from shared.catalog import Catalog, SinkDef
+from shared.side_by_side import side_by_side
 
 log = logging.getLogger("shardsink")
 
@@ -85,20 +86,13 @@ class KeyLocks:
 def prepare(keys: list[str], make: Callable[[str], Any], what: str) -> None:
     """``make(key)`` for each of ``keys`` on a few threads (a part that cannot be made now is
     made at the sink's first micro-batch instead, with the error logged here)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(key: str) -> None:
         try:
             make(key)
         except Exception as e:  # noqa: BLE001 - made at the sink's first micro-batch instead
             log.warning("%s: could not prepare %s: %s", what, key, e)
 
-    if len(keys) <= 1:
-        for k in keys:
-            one(k)
-        return
-    with ThreadPoolExecutor(max_workers=min(PREPARE_THREADS, len(keys))) as ex:
-        list(ex.map(one, keys))
+    side_by_side(one, keys, PREPARE_THREADS)
 
 
 def write_members(path: str, members: dict[str, SinkDef], extra: dict[str, dict[str, Any]] | None = None) -> None:

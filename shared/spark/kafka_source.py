@@ -66,7 +66,6 @@ import itertools
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,6 +112,9 @@ from shared.kafka_offsets import (
     offsets_to_json,
     pending,
 )
+from shared.spark.consumer_pool import close_pooled_consumers as close_pooled_consumers  # the pool's, re-exported
+from shared.spark.consumer_pool import give_back, take_pooled
+from shared.spark.consumer_pool import pooled_consumers as pooled_consumers
 from shared.spark.kafka_common import HEADER_TYPE, bool_option, int_option
 from shared.spark.worker_heap import settle
 
@@ -596,7 +598,7 @@ offsets saves a third of the per-record work)."""
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
     pool_key = repr(sorted(settings.config(**extra).items()))
-    consumer, known = _take_pooled(pool_key) or (new_consumer(settings, **extra), set())
+    consumer, known = take_pooled(pool_key) or (new_consumer(settings, **extra), set())
     pooled = False
 
     def build(keys: list[Any], vals: list[Any], offs: list[int], tss: list[Any],
@@ -709,61 +711,12 @@ offsets saves a third of the per-record work)."""
         # Read to the end: the consumer (connected, with the metadata of the topics it read)
         # serves a next range, of any topic and partition, in this process.
         consumer.unassign()  # stops fetching and drops what was prefetched beyond ``end``
-        pooled = _give_back(pool_key, consumer, known)
+        pooled = give_back(pool_key, consumer, known)
     finally:
         if not pooled:
             consumer.close()
 
 
-#: Consumers kept between reads, per configuration, in each process (Spark reuses its Python
-#: workers; the driver reads ranges for mint and append): a new consumer costs a connection and
-#: a metadata round trip (about 50 ms on the embedded broker), while re-assigning a kept one to
-#: another partition, of any topic, costs a few milliseconds. A consumer is taken out while in
-#: use, so one range never shares it with another; it is unassigned when a range is read to
-#: its end and kept for the next. One used by a read that failed or stopped early is closed
-#: instead, and so is one beyond :data:`POOL_IDLE_MAX` idle ones of its configuration: the
-#: pool is as large as the reads that ran at once, not one consumer (and its threads) per
-#: partition ever read, which a process serving a hundred sinks would pay for in idle CPU.
-_POOL: dict[str, list[tuple[Any, set[str]]]] = {}
-_POOL_LOCK = threading.Lock()
-#: Idle consumers kept per configuration.
-POOL_IDLE_MAX = 16
-
-
-def _take_pooled(key: str) -> tuple[Any, set[str]] | None:
-    """An idle consumer of the configuration and the topics it has the metadata of."""
-    with _POOL_LOCK:
-        idle = _POOL.get(key)
-        return idle.pop() if idle else None
-
-
-def _give_back(key: str, consumer: Any, known: set[str]) -> bool:
-    with _POOL_LOCK:
-        idle = _POOL.setdefault(key, [])
-        if len(idle) >= POOL_IDLE_MAX:
-            return False
-        idle.append((consumer, known))
-        return True
-
-
-def pooled_consumers() -> int:
-    """How many idle consumers this process keeps."""
-    with _POOL_LOCK:
-        return sum(len(v) for v in _POOL.values())
-
-
-def close_pooled_consumers() -> int:
-    """Close this process's pooled consumers (a long-lived process that read ranges directly
-    and is done with the broker). Returns how many were closed."""
-    with _POOL_LOCK:
-        consumers = [c for v in _POOL.values() for c, _ in v]
-        _POOL.clear()
-    for consumer in consumers:
-        try:
-            consumer.close()
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass
-    return len(consumers)
 
 
 

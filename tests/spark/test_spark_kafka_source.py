@@ -194,7 +194,7 @@ def test_read_range_reuses_its_consumer_and_reads_exact_ranges(stack: EmbeddedSt
     finally:
         sk.new_consumer = real  # type: ignore[assignment]
     sk.close_pooled_consumers()
-    assert not sk._POOL
+    assert sk.pooled_consumers() == 0
 
 
 def test_restarted_query_reads_each_record_once(
