@@ -49,6 +49,8 @@ from shared.errors import (
 from shared.objectstore import ObjectStore
 
 HINT_EVERY = 16
+#: States :meth:`VersionedLog.refresh` reads one by one for a caller with ``enough``.
+ENOUGH_GETS = 4
 
 
 class VersionedState(Protocol):
@@ -135,8 +137,10 @@ class VersionedLog(Generic[S]):
 
     def refresh(self, *, enough: Callable[[S], bool] | None = None) -> S:
         """Find the head: from the cached seqno or the hint, probe forward (galloping).
-        ``enough``: a caller that needs only a state that passes it (not the newest) takes the
-        next state when it passes, with no probe beyond it (one GET instead of GET and HEAD)."""
+        ``enough``: a caller that needs only a state that passes it (not the newest) reads the
+        next states one by one (up to :data:`ENOUGH_GETS`) and takes the first that passes,
+        with no probe beyond it (one GET per state instead of HEADs and a GET), or the head
+        when none does."""
         with self._lock:
             lo = self._start_seqno()
             step, hi = 1, None
@@ -148,8 +152,20 @@ class VersionedLog(Generic[S]):
                 hi = lo + 1
             decoded: S | None = None
             if fetched is not None and enough is not None:
+                # The next states one by one while they do not pass (a caller's cached head is
+                # a state or two behind): a GET each, where galloping costs HEADs and a GET.
                 decoded = self.decode(fetched[1])
-                if enough(decoded):
+                for _ in range(ENOUGH_GETS):
+                    if enough(decoded):
+                        break
+                    try:
+                        fetched = (lo + 1, self.store.get(self.state_key(lo + 1)))
+                    except ObjectNotFoundError:
+                        break  # ``lo`` is the head
+                    lo, decoded = lo + 1, self.decode(fetched[1])
+                else:
+                    decoded = None  # still short of it: find the head as usual
+                if decoded is not None:
                     self.set_head(decoded)
                     return decoded
             while hi is None:

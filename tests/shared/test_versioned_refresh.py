@@ -1,7 +1,8 @@
 """How :class:`shared.versioned.VersionedLog` finds the head, counted in requests on the
 in-memory object store (the pure core): a refresh that finds exactly one new state (every
 writer task, minter and appender after each append) takes a GET of it and one HEAD past it;
-longer runs are found by galloping HEADs and a binary search, and the head is right."""
+longer runs are found by galloping HEADs and a binary search, and the head is right; a
+caller that needs only a state reaching a point reads the next states one by one."""
 
 from __future__ import annotations
 
@@ -86,3 +87,26 @@ def test_a_refresh_that_needs_only_a_state_reaching_a_point_stops_at_the_first_t
         assert log.cached() == got
     store.calls.clear()
     assert log.refresh(enough=lambda st: st.seqno >= 99).seqno == 2 + new  # never enough: the head, as a refresh finds it
+
+
+@pytest.mark.parametrize("behind", [1, 2, 4, 6])
+def test_a_refresh_that_needs_a_state_a_few_behind_the_head_reads_the_states_one_by_one(behind: int) -> None:
+    """A writer partition whose cached head is a few states behind the one it needs reads the
+    next states with a GET each and takes the first that passes (no HEAD); past
+    ``ENOUGH_GETS`` states it finds the head as usual."""
+    from shared.versioned import ENOUGH_GETS
+
+    store = _Counting()
+    log = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    _write(log, store, 0, 1, 2)
+    log.write_hint(2)
+    log.refresh()
+    _write(log, store, *range(3, 3 + behind + 2))  # two more beyond the one needed
+    store.calls.clear()
+    got = log.refresh(enough=lambda st: st.seqno >= 2 + behind)
+    if behind <= ENOUGH_GETS + 1:
+        assert got.seqno == 2 + behind and store.calls == Counter({"get": behind})
+    else:
+        assert got.seqno == 4 + behind  # the head
+        assert store.calls["get"] == ENOUGH_GETS + 2 and store.calls["head"] >= 1, store.calls
+    assert log.cached() == got
