@@ -10,6 +10,7 @@ driver.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -150,6 +151,30 @@ def _body_codecs() -> tuple[Any, Any]:
     return ColumnCodec(_UPDATE_BODY), ColumnCodec(_PROGRESS_BODY)
 
 
+_CODECS = threading.local()
+
+
+def _row_codecs(row_schema_json: str) -> tuple[Any, Any]:
+    """The row codec and column codec of a row schema, kept per thread (a write task builds a
+    decoder for each of its units, most of them with a schema it met before; a codec is not
+    shared between threads)."""
+    from shared.avro_columns import ColumnCodec
+    from shared.codec import RowCodec
+
+    cache: dict[str, tuple[Any, Any]] | None = getattr(_CODECS, "by_schema", None)
+    if cache is None:
+        cache = _CODECS.by_schema = {}
+    got = cache.get(row_schema_json)
+    if got is None:
+        import json
+
+        if len(cache) >= 64:
+            cache.clear()
+        row = RowCodec(json.loads(row_schema_json))
+        got = cache[row_schema_json] = (row, ColumnCodec(row.schema))
+    return got
+
+
 class DesiredDecoder:
     """Decodes record batches of the Kafka source into :data:`DECODED_SCHEMA` (or
     :data:`ROUTED_SCHEMA`) rows; see :func:`decode_partition`."""
@@ -164,10 +189,7 @@ class DesiredDecoder:
         quarantine: list[tuple[int, int, int, str]] | None = None,
         only_wp: int | None = None,
     ) -> None:
-        import json
-
-        from shared.avro_columns import ColumnCodec
-        from shared.codec import MARKER, RowCodec, message_codec
+        from shared.codec import MARKER, message_codec
 
         self.desired_topic = desired_topic
         self.progress_only = progress_only
@@ -176,8 +198,7 @@ class DesiredDecoder:
         self.only_wp = only_wp
         #: rows of another writer schema are left to the write step (see decode_partition)
         self.resolve_later = route_to is not None
-        self.row_codec = RowCodec(json.loads(row_schema_json)) if row_schema_json else None
-        self.rows = ColumnCodec(self.row_codec.schema) if self.row_codec is not None else None
+        self.row_codec, self.rows = _row_codecs(row_schema_json) if row_schema_json else (None, None)
         self.row_header = MARKER + self.row_codec.fingerprint if self.row_codec is not None else b""
         fp = message_codec("desired").fingerprint
         self.update_prefix = MARKER + fp + b"\x00"

@@ -387,8 +387,10 @@ class Shard:
         max_rows_per_part: int = 1_000_000,
         tag: str | None = None,
         schema: dict[str, Any] | None = None,
+        consolidated: bool = False,
     ) -> StagedBatch:
-        """Write updates as data objects without appending them (consolidated first).
+        """Write updates as data objects without appending them (consolidated first, unless
+        ``consolidated``: no two with the same row, error and time, no zero diff).
 
         ``tag`` (letters, digits, ``-``) is appended to the objects' names: the write service
         names its writer partition there, so a reader can route a part without reading it.
@@ -396,8 +398,7 @@ class Shard:
         parts record it."""
         view = self.view(schema)
         table = self.to_table(updates, schema=view.schema)
-        table = consolidate(table, [*view.row_columns, ERROR, TIME])
-        table = table.select(view.part_schema.names)
+        table = (table if consolidated else consolidate(table, [*view.row_columns, ERROR, TIME])).select(view.part_schema.names)
         parts: list[Part] = []
         for off in range(0, table.num_rows, max_rows_per_part):
             parts.append(self._write_part(table.slice(off, max_rows_per_part), tag, view=view))

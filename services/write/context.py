@@ -526,7 +526,10 @@ class ShardContext:
                 }
             )
             parts.append(shard.to_table(etab, schema=self.schema))
-        staged = shard.stage(pa.concat_tables(parts), tag=f"w{ws.partition}of{self.job.partitions}", schema=self.schema)
+        # The correction buffer's updates are consolidated by (key, time), and a canonical key
+        # is one row: consolidating them again changes nothing (error rows: their texts may meet).
+        staged = shard.stage(pa.concat_tables(parts), tag=f"w{ws.partition}of{self.job.partitions}", schema=self.schema,
+                             consolidated=not len(errs))
         ws.remember_staged(decision.desc, [p.key for p in staged.parts], decision)
         return json.dumps(staged.to_json(), sort_keys=True)
 
