@@ -75,8 +75,10 @@ log = logging.getLogger("shardsink.mint")
 #: The longest mint goes without reading the shard's state (see :meth:`SinkMinter.process`).
 SHARD_REFRESH_S = 1.0
 #: With :attr:`SinkMinter.backoff` (the shared query's minters), a sink waiting for its upper
-#: reads the shard after 1 s, then after twice as long each time the upper has not moved, up
-#: to this: the appenders' announcements carry the uppers; the reads only cover a lost one.
+#: reads the shard after 1 s, or after twice the last description's wait for its announced
+#: upper when that was longer (a busy deployment: a read before it finds nothing new), then
+#: after twice as long each time the upper has not moved, up to this: the appenders'
+#: announcements carry the uppers; the reads only cover a lost one.
 SHARD_REFRESH_MAX_S = 8.0
 
 
@@ -100,6 +102,8 @@ class SinkMinter:
     backoff: bool = False
     #: The current wait between reads of the shard while the upper does not move.
     refresh_every: float = SHARD_REFRESH_S
+    #: When the last description was minted (monotonic seconds; None: its upper came since).
+    minted_at: float | None = None
 
     def refresh_due(self, now: float) -> bool:
         """Whether the shard's state is due to be read again (never read, or read
@@ -194,10 +198,14 @@ class SinkMinter:
         if announced:
             # An announced upper is one the shard reached (uppers only move forward): as good
             # as a read, and free. A later append of another replica shows at the next read.
+            before = self.state.persist_frontier
             for upper in announced:
                 self.state.absorb_shard_upper(as_frontier(upper))
             self.refreshed_at = now
             self.refresh_every = SHARD_REFRESH_S
+            if self.backoff and self.minted_at is not None and before.less_than(self.state.persist_frontier):
+                waited, self.minted_at = now - self.minted_at, None
+                self.refresh_every = min(SHARD_REFRESH_MAX_S, max(SHARD_REFRESH_S, 2 * waited))
         elif news or self.refresh_due(now):
             before = self.state.persist_frontier
             self.state.absorb_shard_upper(self.shard.refresh().upper)
@@ -220,6 +228,7 @@ class SinkMinter:
             if flush:
                 self.producer.flush()
             self.minted += 1
+            self.minted_at = time.monotonic()
             log.debug("minted [%s, %s)", desc.lower, desc.upper, extra={"sink_id": self.sink.sink_id})
         self.micro_batches += 1
 

@@ -193,3 +193,40 @@ def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_
     clock[0] += 8.0
     m.process(records())
     assert m.state.persist_frontier == Frontier.at(9) and m.refresh_every == mint.SHARD_REFRESH_S
+
+
+def test_a_shared_minter_waits_twice_its_last_upper_wait_before_its_first_read(monkeypatch: Any) -> None:
+    """A busy deployment: the last description's upper was announced 3 s after it was minted,
+    so a waiting sink's first read of the shard comes 6 s after the announcement (a read before
+    would find nothing new), then 8 s apart; one that waited 0.2 s reads after 1 s again."""
+    clock = [100.0]
+    monkeypatch.setattr(mint.time, "monotonic", lambda: clock[0])
+    settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs")
+    shard = CountingShard(upper=0)
+    state = MintState("s", epoch=1, partition_count=1, as_of=0, read_only=False, nonce="n")
+    producer = Producer()
+    m = mint.SinkMinter(SinkDef("s", "desired", "c"), settings, shard, state, producer, backoff=True)  # type: ignore[arg-type]
+
+    m.process(records((KIND_PROGRESS, "desired", 5), (KIND_PROGRESS, "desired", 9)))
+    assert (shard.reads, len(producer.sent)) == (1, 1)  # [0, 9) minted at 100 s
+    clock[0] = 103.0
+    m.process(records((KIND_CONTROL, "frontiers", None)), announced=[9])
+    assert m.refresh_every == 6.0
+    m.process(records((KIND_PROGRESS, "desired", 12)))
+    assert len(producer.sent) == 2  # [9, 12) minted at 103 s
+    reads_at = []
+    for _ in range(40):  # 20 s waiting for [9, 12), nothing announced
+        clock[0] += 0.5
+        if m.refresh_due(clock[0]):
+            m.process(records())
+            reads_at.append(clock[0] - 103.0)
+    assert reads_at == [6.0, 14.0]  # then 8 s apart (the most)
+
+    clock[0] += 0.2
+    m.process(records((KIND_CONTROL, "frontiers", None)), announced=[12])
+    assert m.state.persist_frontier == Frontier.at(12) and m.refresh_every == mint.SHARD_REFRESH_MAX_S  # waited 20 s
+    m.process(records((KIND_PROGRESS, "desired", 15)))
+    assert len(producer.sent) == 3  # [12, 15) minted
+    clock[0] += 0.2
+    m.process(records((KIND_CONTROL, "frontiers", None)), announced=[15])
+    assert m.refresh_every == mint.SHARD_REFRESH_S  # waited 0.2 s: 1 s, as a quiet deployment
