@@ -64,6 +64,9 @@ class SinkWriter:
     #: latest statistics per writer partition (cumulative counters and gauges)
     stats: dict[int, dict[str, Any]] = field(default_factory=dict)
     unproven: dict[int, str] = field(default_factory=dict)
+    #: False when the caller flushes a producer it shares with other sinks once for them all
+    #: (the shared query: one flush per micro-batch, not one per sink), before Spark commits.
+    flush_each: bool = True
 
     def _note_error_rows(self, report: Any) -> None:
         """A log line and the ``error_rows_staged`` metric when a staged batch holds error rows
@@ -101,7 +104,8 @@ class SinkWriter:
                 self.stats[wp] = json.loads(body)
                 log.debug("partition %d: step timings (input, restore, absorb, read back, stage, "
                           "checkpoint) %s s", wp, self.stats[wp].get("timing"), extra={"sink_id": self.sink.sink_id})
-        self.producer.flush()
+        if self.flush_each:
+            self.producer.flush()
         self.metrics.micro_batches += 1
         m = self.metrics
         vals = list(self.stats.values())

@@ -85,7 +85,7 @@ class SharedWrite:
             from shared.io.kafka_admin import topic_partition_count
 
             w = SinkWriter(sink=sink, settings=self.settings, partitions=topic_partition_count(self.settings.kafka, sink.desired_topic),
-                           producer=self.producer)
+                           producer=self.producer, flush_each=False)  # handle() flushes once for every sink
             w.metrics.quarantined_ranges = len(sink_quarantine(self.settings.store(), sink.sink_id, sink.epoch))
             self.registry[sink.sink_id] = w
         w.sink = sink
