@@ -172,7 +172,56 @@ def conform_part(table: pa.Table, view: SchemaView) -> pa.Table:
     for name in (TIME, DIFF, ERROR):
         col = table[name] if name in table.column_names else pa.nulls(table.num_rows, target.field(name).type)
         rows = rows.append_column(name, col)
-    return rows.cast(target)
+    return cast_rows(rows, target)
+
+
+def cast_rows(table: pa.Table, target: pa.Schema) -> pa.Table:
+    """``table.cast(target)``, where a record column's null rows (an error row has no row)
+    first get placeholder values in the record's required fields: Arrow refuses to cast a
+    null in a non-nullable field even under a null record. A null under a record that is
+    there stays, and the cast refuses it."""
+    for i, f in enumerate(target):
+        if i < table.num_columns and _has_required(f.type) and table.column(i).null_count:
+            col = table.column(i)
+            filled = [_fill_required(c, f.type) for c in col.chunks]
+            table = table.set_column(i, table.field(i), pa.chunked_array(filled, col.type))
+    return table.cast(target)
+
+
+def _has_required(t: pa.DataType) -> bool:
+    return pa.types.is_struct(t) and any(not f.nullable or _has_required(f.type) for f in t)
+
+
+def _fill_required(arr: pa.Array, t: pa.DataType) -> pa.Array:
+    if not arr.null_count or not isinstance(arr, pa.StructArray):
+        return arr
+    absent = arr.is_null()
+    children = []
+    for i, f in enumerate(t):
+        c = arr.field(i)
+        if not f.nullable and c.null_count:
+            c = pc.if_else(absent, _placeholder(c.type).take(pa.array(np.zeros(len(c), np.int64))), c)
+        children.append(_fill_required(c, f.type) if _has_required(f.type) else c)
+    return pa.StructArray.from_arrays(children, fields=list(arr.type), mask=absent)
+
+
+def _placeholder(t: pa.DataType) -> pa.Array:
+    """One value of type ``t`` (zero, empty, or a record of such values)."""
+    if isinstance(t, pa.ExtensionType):
+        return pa.ExtensionArray.from_storage(t, _placeholder(t.storage_type))
+    if pa.types.is_struct(t):
+        return pa.StructArray.from_arrays([_placeholder(f.type) for f in t], fields=list(t))
+    if pa.types.is_fixed_size_binary(t):
+        return pa.array([b"\0" * t.byte_width], t)
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.array([""], t)
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pa.array([b""], t)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
+        return pa.array([[]], t)
+    if pa.types.is_boolean(t):
+        return pa.array([False], t)
+    return pa.array([0], t)
 
 
 def updates_to_table(updates: Updates, view: SchemaView) -> pa.Table:
@@ -222,7 +271,7 @@ def updates_to_table(updates: Updates, view: SchemaView) -> pa.Table:
         )
     table = table.select(target.names)
     try:
-        return table.cast(target)
+        return cast_rows(table, target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
         raise SchemaMismatchError(f"expected updates castable to {target}, found: {e}") from e
 

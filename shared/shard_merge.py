@@ -414,9 +414,10 @@ def _repeat_first(
 ) -> Callable[[np.ndarray], pa.Array]:
     """The output of a key column whose values are all equal: its first value, once per
     group (a take of one row, whatever the type; nulls when every value is null, of
-    ``as_type`` when given)."""
-    if col.null_count == len(col):
-        return lambda idx: pa.nulls(len(idx), as_type or col.type)
+    ``as_type`` when given). A take even of a null: a null record keeps the placeholders
+    in its required fields (:func:`shared.shard_format.cast_rows`), where ``pa.nulls`` has none."""
+    if col.null_count == len(col) and as_type is not None:
+        return lambda idx: pa.nulls(len(idx), as_type)
     first = col.slice(0, 1).combine_chunks() if isinstance(col, pa.ChunkedArray) else col.slice(0, 1)
     return lambda idx: first.take(pa.array(np.zeros(len(idx), dtype=np.int32)))
 
