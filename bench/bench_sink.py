@@ -109,6 +109,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from delta_peer import DeltaTopic, delta_storage_options  # noqa: E402
 from shared.devstack.embedded import process_stat  # noqa: E402
 from upper_watch import AnnouncedUpperWatch  # noqa: E402
 
@@ -337,140 +338,36 @@ def baseline_rows(progress_file: Path) -> int:
 
 # -- the delta-rs peer (a child process) ----------------------------------------------------------
 
-#: Prefix of the peer's Delta transaction app ids: one per desired partition, whose version is the
-#: last offset of that partition the table holds.
-DELTA_APP = "bench-deltalake"
-
-
-def delta_storage_options(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """delta-rs's object store settings for the embedded S3 server (the services' endpoint).
-    No unsafe-rename setting: delta-rs commits with a conditional put, which moto supports."""
-    return {
-        "AWS_ENDPOINT_URL": env["SHARDSINK_S3_ENDPOINT"],
-        "AWS_ALLOW_HTTP": "true",
-        "AWS_REGION": env.get("AWS_DEFAULT_REGION", "us-east-1"),
-        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
-        "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
-    }
-
-
-def delta_row_schema() -> Any:
-    """The peer table's columns: the collection's row columns, then ``_time`` and ``_diff``
-    (``_time`` signed: Delta has no unsigned long)."""
-    import pyarrow as pa
-
-    from shared.avro_columns import ColumnCodec
-
-    return pa.schema([*ColumnCodec(SCHEMA).arrow_schema, pa.field("_time", pa.int64()), pa.field("_diff", pa.int64())])
-
-
 def deltalake_worker(topic: str, uri: str, progress_file: str, start_json: str) -> int:
-    """A minimal Kafka-to-Delta loop with delta-rs, exactly once.
-
-    Per poll (what the consumer has fetched, waiting at most one trigger, 100 ms, for the first
-    record):
-
-    1. read the table's last transaction version of every partition in the poll
-       (``update_incremental`` then ``transaction_version``) and drop the records at or below
-       it: an earlier commit of this loop holds them (delta-rs does not refuse a repeated
-       transaction version itself, delta-rs issue 2580; the writer checks before it commits);
-    2. decode the rest as the sink does: the desired messages with the write service's
-       vectorised decoder (``services.sinkio.DesiredDecoder``), the rows of the updates with
-       the collection's column codec (``shared.avro_columns.ColumnCodec``);
-    3. append the updates (row columns, ``_time``, ``_diff``) with one ``write_deltalake``
-       commit whose ``app_transactions`` hold, per partition, the poll's last offset;
-    4. only then count the progress statements of the poll as visible (the updates below them
-       are committed) and report the poll on ``progress_file`` (records, updates, the desired
-       frontier the table now holds, commit wall time).
-
-    A poll of progress statements only makes no commit (nothing to write; re-reading them after
-    a restart is harmless). Starts at the offsets in ``start_json`` (``{partition: offset}``),
-    or after the table's transaction version of a partition when it has one.
+    """A minimal Kafka-to-Delta loop with delta-rs, exactly once: per poll (what the consumer
+    has fetched, waiting at most one trigger, 100 ms, for the first record), one
+    :meth:`DeltaTopic.write <delta_peer.DeltaTopic.write>` (one append commit when the poll holds
+    updates), reported on ``progress_file`` (records, updates, the desired frontier the table
+    now holds, commit wall time). Starts at the offsets in ``start_json``
+    (``{partition: offset}``), or after the table's transaction version of a partition when it
+    has one.
     """
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
     from confluent_kafka import TopicPartition
-    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
     from services.runtime.settings import ServiceSettings
-    from services.sinkio import KIND_PROGRESS, KIND_UPDATE, DesiredDecoder
-    from shared.avro_columns import ColumnCodec
     from shared.io.kafka import consume_available, new_consumer
 
     settings = ServiceSettings.from_env_and_args(None)
-    opts = delta_storage_options(os.environ)
-    schema = delta_row_schema()
-    if not DeltaTable.is_deltatable(uri, opts):
-        DeltaTable.create(uri, schema, storage_options=opts)
-    dt = DeltaTable(uri, storage_options=opts)
     start = {int(p): int(o) for p, o in json.loads(start_json).items()}
-    app = {p: f"{DELTA_APP}-{topic}-{p}" for p in start}
-    pos = {}
-    for p, o in start.items():
-        v = dt.transaction_version(app[p])
-        pos[p] = o if v is None else v + 1
-    rows = ColumnCodec(SCHEMA)
-    decoder = DesiredDecoder(topic)
+    table = DeltaTopic(topic, uri, SCHEMA, start, delta_storage_options(os.environ))
+    pos = table.positions(start)
     consumer = new_consumer(settings.kafka)
     consumer.assign([TopicPartition(topic, p, o) for p, o in pos.items()])
-    frontier: dict[int, int] = {}  # per partition, the latest progress the table holds
     out = open(progress_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the loop
-    out.write(json.dumps({"started": True, "version": dt.version(), "from": pos}) + "\n")
+    out.write(json.dumps({"started": True, "version": table.table.version(), "from": pos}) + "\n")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    bad = 0
     try:
         while not stop.is_set():
             msgs = [m for m in consume_available(consumer, 100_000, 0.1) if m.error() is None]
-            if not msgs:
-                continue
-            part = np.fromiter((m.partition() for m in msgs), np.int32, len(msgs))
-            off = np.fromiter((m.offset() for m in msgs), np.int64, len(msgs))
-            # 1. exactly once: what an earlier commit holds is not written again.
-            dt.update_incremental()
-            keep = np.ones(len(msgs), bool)
-            for p in np.unique(part).tolist():
-                done = dt.transaction_version(app[p])
-                if done is not None:
-                    keep &= (part != p) | (off > done)
-            if not keep.all():
-                idx = np.flatnonzero(keep)
-                msgs = [msgs[i] for i in idx]
-                part, off = part[idx], off[idx]
-                if not msgs:
-                    continue
-            # 2. decode as the sink does.
-            rb = pa.RecordBatch.from_pydict({
-                "topic": pa.array([topic] * len(msgs), pa.string()),
-                "partition": pa.array(part, pa.int32()),
-                "offset": pa.array(off, pa.int64()),
-                "value": pa.array([m.value() for m in msgs], pa.binary()),
-            })
-            dec = decoder.decode(rb)
-            upd = dec.filter(pc.equal(dec.column("kind"), KIND_UPDATE))
-            table = schema.empty_table()
-            if upd.num_rows:
-                d = rows.decode(upd.column("row"), skip=10)  # single-object encoded: a 10-byte header
-                bad += len(d.errors)
-                ok = pa.array(d.ok)
-                table = pa.Table.from_arrays(
-                    [*d.table.columns, upd.column("time").filter(ok), upd.column("diff").filter(ok)], schema=schema)
-            # 3. one append commit, with every partition's last offset as its transaction version.
-            t_commit = time.time()
-            if table.num_rows:
-                last = {p: int(off[part == p].max()) for p in np.unique(part).tolist()}
-                write_deltalake(dt, table, mode="append", commit_properties=CommitProperties(
-                    app_transactions=[Transaction(app[p], v) for p, v in last.items()]))
-            # 4. the progress of the poll is visible now.
-            prog = dec.filter(pc.equal(dec.column("kind"), KIND_PROGRESS))
-            for p, f in zip(prog.column("partition").to_pylist(), prog.column("frontier").to_pylist(), strict=True):
-                if f is not None:
-                    frontier[p] = max(frontier.get(p, f), f)
-            held = min(frontier.values()) if len(frontier) == len(start) else None
-            out.write(json.dumps({"rows": len(msgs), "updates": table.num_rows, "bad": bad, "frontier": held,
-                                  "commit_s": round(time.time() - t_commit, 4), "version": dt.version(),
-                                  "t": time.time()}) + "\n")
+            line = table.write(msgs) if msgs else None
+            if line is not None:
+                out.write(json.dumps(line) + "\n")
     finally:
         consumer.close()
     return 0

@@ -41,11 +41,34 @@ producers) shares the cores with the services. Progress goes to stderr; the JSON
 the last stdout line; figures and a plot (freshness and RSS against N) are saved as
 ``bench/results/sinks-<timestamp>.json`` / ``.png``. ``--quick``: ``--sinks 1,3`` and short
 phases (a smoke run of a few minutes).
+
+``--peer deltalake``: the same N topics and workload served instead by what a Python user
+would write without shardsink, so that the services' figures at N sinks have a peer on the
+same machine, stack and load. For each N, one child process (:func:`deltalake_peer`) in place
+of the services: one confluent-kafka consumer assigned every partition of the N desired
+topics from where the workload starts; per poll, the records grouped by topic, and each
+topic's decoded as the sink does and appended to a Delta table of its own
+(``s3://<bucket>/bench-sinks-deltalake/<run>/<topic>``, on the same S3 server) with one
+delta-rs ``write_deltalake(..., mode="append")`` commit, exactly once (per partition a
+``Transaction`` of its last offset, checked before the commit: ``bench/delta_peer.py``). The
+tables commit side by side on 8 threads (a commit on the embedded S3 server takes about 57 ms,
+and at 100 sinks some 33 tables commit every second); the next poll waits for every commit of
+this one. A table's commit returning makes the topic's progress statements of that poll
+visible, and the peer writes a progress line ``{"topic", "frontier", "t"}`` (the least progress
+it now holds over the topic's partitions). Freshness per step is then from ``advance_to``
+returning until the first such line of the step's topic whose frontier reaches the step, and
+the start until every topic's first such line past its first step, from starting the peer
+(its imports and the N tables' creation included). The CPU, RSS and processes are the peer
+process's. There is no new sink (``new_sink_first_upper_s`` null) and no query
+(``query_failures`` null); ``deltalake_rows`` / ``deltalake_rows_expected``: the rows in the
+drained tables and the updates produced, equal when every update was written once. The JSON
+says ``"peer": "deltalake"``; the files are ``sinks-deltalake-<timestamp>.json`` / ``.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -64,7 +87,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
+from delta_peer import DeltaTopic, delta_storage_options  # noqa: E402
 from shared.devstack.embedded import process_stat  # noqa: E402
 
 SCHEMA = {
@@ -185,24 +210,58 @@ def count_failures(log_path: Path) -> dict[str, int]:
 # -- uppers of many shards ------------------------------------------------------------------------------
 
 
-class UppersWatch:
-    """Every shard's upper as its appender announces it on ``frontiers`` (one consumer for all
-    shards), timed by the announcement's ``updated_at_ms``; a registered shard whose upper is
-    behind the frontier produced to it (``expect``) is also read, one such shard every
-    ``check_s / pending`` seconds, and timed when the read saw it."""
+class Reached:
+    """Uppers by name (a sink's collection), each with the times it reached its values
+    (monotonic seconds): what freshness and start are timed by, whoever serves the sinks."""
 
-    def __init__(self, kafka: Any, frontiers_topic: str, check_s: float = 10.0) -> None:
-        from confluent_kafka import OFFSET_END, TopicPartition
-
-        from shared.io.kafka import new_consumer
-
-        self.check_s = check_s
+    def __init__(self) -> None:
         self._skew = time.monotonic() - time.time()  # wall clock -> monotonic
         self._lock = threading.Lock()
         self._upper: dict[str, int] = {}
         self._reached: dict[str, list[tuple[float, int]]] = {}
+
+    def expect(self, name: str, frontier: int) -> None:
+        """A step's progress statement ``frontier`` was produced for ``name`` (nothing to do
+        unless a watcher reads what is behind)."""
+
+    def upper(self, name: str) -> int:
+        with self._lock:
+            return self._upper.get(name, 0)
+
+    def when(self, name: str, frontier: int) -> float | None:
+        with self._lock:
+            for t, u in self._reached.get(name, ()):
+                if u >= frontier:
+                    return t
+        return None
+
+    def _advance(self, name: str, u: int, at: float) -> None:
+        with self._lock:
+            if u > self._upper.get(name, 0):
+                self._upper[name] = u
+                self._reached.setdefault(name, []).append((at, u))
+
+
+class UppersWatch(Reached):
+    """Every shard's upper as its appender announces it on ``frontiers`` (one consumer for all
+    shards), timed by the announcement's ``updated_at_ms``; a registered shard whose upper is
+    behind a frontier produced to it (``expect``) more than ``grace_s`` ago is also read (an
+    announcement may be lost), one such shard every ``check_s / pending`` seconds, and timed
+    when the read saw it. (Reading every shard behind at all read 100 shards ten times a second
+    at 100 sinks, whose steps take seconds: the benchmark's own load on the S3 server.)"""
+
+    def __init__(self, kafka: Any, frontiers_topic: str, check_s: float = 10.0, grace_s: float = 20.0) -> None:
+        from confluent_kafka import OFFSET_END, TopicPartition
+
+        from shared.io.kafka import new_consumer
+
+        super().__init__()
+        self.check_s = check_s
+        self.grace_s = grace_s
         self._shards: dict[str, Any] = {}
         self._expected: dict[str, int] = {}
+        #: per shard, the frontiers produced to it that its upper has not reached, with when
+        self._waiting: dict[str, collections.deque[tuple[int, float]]] = {}
         self.read_errors = 0
         self._consumer = new_consumer(kafka, **{"fetch.wait.max.ms": "100"})
         self._consumer.assign([TopicPartition(frontiers_topic, 0, OFFSET_END)])
@@ -218,32 +277,27 @@ class UppersWatch:
         with self._lock:
             self._shards.pop(shard_id, None)
             self._expected.pop(shard_id, None)
+            self._waiting.pop(shard_id, None)
 
-    def expect(self, shard_id: str, frontier: int) -> None:
+    def expect(self, name: str, frontier: int) -> None:
         with self._lock:
-            self._expected[shard_id] = max(frontier, self._expected.get(shard_id, 0))
+            self._expected[name] = max(frontier, self._expected.get(name, 0))
+            if self._upper.get(name, 0) < frontier:
+                self._waiting.setdefault(name, collections.deque()).append((frontier, time.monotonic()))
 
-    def upper(self, shard_id: str) -> int:
+    def _advance(self, name: str, u: int, at: float) -> None:
+        super()._advance(name, u, at)
         with self._lock:
-            return self._upper.get(shard_id, 0)
-
-    def when(self, shard_id: str, frontier: int) -> float | None:
-        with self._lock:
-            for t, u in self._reached.get(shard_id, ()):
-                if u >= frontier:
-                    return t
-        return None
-
-    def _advance(self, shard_id: str, u: int, at: float) -> None:
-        with self._lock:
-            if u > self._upper.get(shard_id, 0):
-                self._upper[shard_id] = u
-                self._reached.setdefault(shard_id, []).append((at, u))
+            waiting = self._waiting.get(name)
+            while waiting and waiting[0][0] <= u:
+                waiting.popleft()
 
     def _check_one(self, turn: int) -> int:
-        """Read one shard that is behind what was produced to it; returns how many are."""
+        """Read one shard that has been behind what was produced to it for ``grace_s``; returns
+        how many have."""
+        now = time.monotonic()
         with self._lock:
-            pending = sorted(s for s, f in self._expected.items() if self._upper.get(s, 0) < f and s in self._shards)
+            pending = sorted(s for s, w in self._waiting.items() if w and now - w[0][1] >= self.grace_s and s in self._shards)
             if not pending:
                 return 0
             sid = pending[turn % len(pending)]
@@ -285,14 +339,56 @@ class UppersWatch:
         self._thread.join(timeout=10)
 
 
+class PeerUppers(Reached):
+    """The frontiers the delta-rs peer's tables reached, from its progress file (one line per
+    table and poll, ``{"topic", "frontier", "t"}``, written once the poll's commit of that table
+    returned), read as the peer writes it and timed by each line's ``t``."""
+
+    def __init__(self, progress_file: Path, names: dict[str, str], read_s: float = 0.05) -> None:
+        super().__init__()
+        self._path = progress_file
+        self._names = names  # topic -> name
+        self._read_s = read_s
+        self._pos = 0
+        self._tail = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peer-uppers", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            with open(self._path, "rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return  # the peer has not started yet
+        self._pos += len(chunk)
+        *lines, self._tail = (self._tail + chunk).split(b"\n")
+        for line in lines:
+            d = json.loads(line)
+            name, frontier = self._names.get(d.get("topic", "")), d.get("frontier")
+            if name is not None and frontier is not None:
+                self._advance(name, frontier, d["t"] + self._skew)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._read_s):
+            self._read()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 # -- one sink's feed ------------------------------------------------------------------------------------
 
 
 @dataclass
 class Feed:
-    """One collection, its desired topic, its sink, and the steps produced to it."""
+    """One sink's desired topic (and, served by the services, its collection and sink), and the
+    steps produced to it."""
 
     name: str
+    topic: str
     producer: Any
     rng: random.Random
     live: list[bytes] = field(default_factory=list)
@@ -304,7 +400,7 @@ class Feed:
     failed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def step(self, watch: UppersWatch) -> int | None:
+    def step(self, uppers: Reached) -> int | None:
         """50 updates and a progress statement; None if the previous step is still being sent
         (counted in ``skipped``) or this one failed (``failed``)."""
         if not self.lock.acquire(blocking=False):
@@ -328,7 +424,7 @@ class Feed:
             self.producer.advance_to(f)
             self.frontier = f
             self.sent[f] = time.monotonic()
-            watch.expect(self.name, f)
+            uppers.expect(self.name, f)
             return f
         except Exception as e:  # noqa: BLE001 - counted; the run goes on
             self.failed += 1
@@ -338,7 +434,10 @@ class Feed:
             self.lock.release()
 
 
-def new_feed(settings: Any, watch: UppersWatch, name: str, seed: int, create_sink: bool = True) -> Feed:
+def new_feed(settings: Any, watch: UppersWatch | None, name: str, seed: int, create_sink: bool = True) -> Feed:
+    """The desired topic ``desired-<name>`` and its producer; with a watch (the services), also
+    the collection ``name``, watched, and (``create_sink``) its sink. Without one (the delta-rs
+    peer), no collection: the peer writes tables of its own."""
     from shardsink.cli.catalog import create_collection
     from shared.catalog import SinkDef
     from shared.io.desired_producer import DesiredProducer
@@ -347,25 +446,27 @@ def new_feed(settings: Any, watch: UppersWatch, name: str, seed: int, create_sin
 
     topic = f"desired-{name}"
     ensure_topic(settings.kafka, topic, PARTITIONS)
-    create_collection(settings, name, SCHEMA)
-    watch.add(name, Shard.open(settings.store(), name))
-    feed = Feed(name, DesiredProducer(settings.kafka, topic, SCHEMA, linger_ms=5), random.Random(seed))
-    if create_sink:
+    if watch is not None:
+        create_collection(settings, name, SCHEMA)
+        watch.add(name, Shard.open(settings.store(), name))
+    feed = Feed(name, topic, DesiredProducer(settings.kafka, topic, SCHEMA, linger_ms=5), random.Random(seed))
+    if watch is not None and create_sink:
         settings.catalog().create_sink(SinkDef(name, topic, name))
     return feed
 
 
-# -- the services subprocess -----------------------------------------------------------------------------
+# -- the child process: the services or the peer ---------------------------------------------------------
 
 
-class Services:
-    """``python -m services`` in its own process group (a kill takes its JVM and workers too)."""
+class Child:
+    """``python -m services`` (or the delta-rs peer) in its own process group (a kill takes the
+    services' JVM and workers too)."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
         with open(log_path, "ab") as out:
             self.p = subprocess.Popen(
-                [sys.executable, "-m", "services"], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
@@ -377,7 +478,7 @@ class Services:
         return self.p.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM (the services stop their queries), SIGKILL after 20 s."""
+        """SIGTERM (the services stop their queries, the peer its loop), SIGKILL after 20 s."""
         for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 30.0)):
             try:
                 os.killpg(self.p.pid, sig)
@@ -395,14 +496,93 @@ class Services:
             return
 
 
-def wait_until(pred: Any, budget_s: float, svc: Services) -> bool:
-    """Whether ``pred()`` came true within the budget (False at once if the services exited)."""
+def wait_until(pred: Any, budget_s: float, child: Child) -> bool:
+    """Whether ``pred()`` came true within the budget (False at once if the child exited)."""
     deadline = time.monotonic() + budget_s
     while not pred():
-        if not svc.alive() or time.monotonic() > deadline:
+        if not child.alive() or time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
+
+
+# -- the delta-rs peer -------------------------------------------------------------------------------------
+
+#: Threads of the peer that write its tables side by side: a commit on the embedded S3 server
+#: takes about 57 ms, and at 100 sinks about 33 tables commit every second, more than one thread
+#: keeps up with (delta-rs releases the GIL while it commits).
+PEER_THREADS = 8
+
+
+def deltalake_peer(spec_file: str) -> int:
+    """The delta-rs peer (a child process): every desired topic of ``spec_file`` (``root``,
+    ``progress``, ``start``: ``{topic: {partition: offset}}``) into a Delta table of its own,
+    ``<root>/<topic>``, exactly once.
+
+    One consumer is assigned every partition of every topic. Per poll (what it has fetched,
+    waiting at most 100 ms for the first record) the records are grouped by topic and each
+    topic's are written by :meth:`delta_peer.DeltaTopic.write` (one append commit when they hold
+    updates), the topics side by side on a pool of :data:`PEER_THREADS` threads. A table's
+    progress line goes to the progress file as its commit returns; the next poll waits for every
+    commit of this one, so a progress statement counts as visible only once the updates before
+    it, in this poll or an earlier one, are committed."""
+    from concurrent.futures import as_completed
+
+    from confluent_kafka import TopicPartition
+
+    from services.runtime.settings import ServiceSettings
+    from shared.io.kafka import consume_available, new_consumer
+
+    spec = json.loads(Path(spec_file).read_text())
+    start = {t: {int(p): o for p, o in parts.items()} for t, parts in spec["start"].items()}
+    settings = ServiceSettings.from_env_and_args(None)
+    opts = delta_storage_options(os.environ)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with ThreadPoolExecutor(PEER_THREADS) as pool, open(spec["progress"], "a", buffering=1) as out:
+        opened = pool.map(lambda t: DeltaTopic(t, f"{spec['root']}/{t}", SCHEMA, start[t], opts), start)
+        tables = dict(zip(start, opened, strict=True))
+        consumer = new_consumer(settings.kafka)
+        consumer.assign([TopicPartition(t, p, o) for t, table in tables.items()
+                         for p, o in table.positions(start[t]).items()])
+        out.write(json.dumps({"started": True, "tables": len(tables)}) + "\n")
+        try:
+            while not stop.is_set():
+                by_topic: dict[str, list[Any]] = {}
+                for m in consume_available(consumer, 100_000, 0.1):
+                    if m.error() is None:
+                        by_topic.setdefault(m.topic(), []).append(m)
+                writes = {pool.submit(tables[t].write, msgs): t for t, msgs in by_topic.items()}
+                for done in as_completed(writes):
+                    line = done.result()
+                    if line is not None:
+                        out.write(json.dumps({"topic": writes[done], **line}) + "\n")
+        finally:
+            consumer.close()
+    return 0
+
+
+def topic_ends(kafka: Any, topics: list[str]) -> dict[str, dict[int, int]]:
+    """The end offset of every partition of ``topics`` (where the workload starts in each)."""
+    from shared.io.kafka import OffsetProbe
+
+    with OffsetProbe(kafka) as probe:
+        ends = probe.ends([(t, p) for t in topics for p in range(PARTITIONS)])
+    out: dict[str, dict[int, int]] = {}
+    for (t, p), o in ends.items():
+        out.setdefault(t, {})[p] = o
+    return out
+
+
+def peer_rows(feeds: list[Feed], root: str, env: dict[str, str]) -> dict[str, int]:
+    """Rows in the peer's tables, and updates produced to their topics: equal when the peer
+    wrote every update once."""
+    from deltalake import DeltaTable
+
+    opts = delta_storage_options(env)
+    with ThreadPoolExecutor(PEER_THREADS) as pool:
+        rows = sum(pool.map(lambda f: DeltaTable(f"{root}/{f.topic}", storage_options=opts).count(), feeds))
+    return {"deltalake_rows": rows, "deltalake_rows_expected": sum(f.producer.sent_updates for f in feeds)}
 
 
 # -- one N ----------------------------------------------------------------------------------------------------
@@ -417,43 +597,57 @@ class Phases:
     budget_s: float | None  # None: 120 s + 3 s per sink
 
 
-def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch, work: Path, run: str,
+def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | None, work: Path, run: str,
             ph: Phases) -> dict[str, Any]:
+    """One N's figures: its sinks served by the services, their uppers seen by ``watch``; with
+    no watch, the delta-rs peer serves the N topics instead."""
     from shared.catalog import SinkDef
 
+    peer = watch is None
+    at, who = (f"N={n} peer deltalake", "peer") if peer else (f"N={n}", "services")
     cores = os.cpu_count() or 1
     budget = ph.budget_s if ph.budget_s is not None else 120.0 + 3.0 * n
     out: dict[str, Any] = {"sinks": n, "budget_s": budget, "load_start": load()}
     t_setup = time.monotonic()
     feeds = [new_feed(settings, watch, f"n{n}s{i:03d}-{run}", seed=i) for i in range(n)]
+    progress = work / f"deltalake-n{n}-{run}.jsonl"
+    starts = topic_ends(settings.kafka, [f.topic for f in feeds]) if peer else {}
+    uppers = watch if watch is not None else PeerUppers(progress, {f.topic: f.name for f in feeds})
     with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
-        first = dict(zip([f.name for f in feeds], pool.map(lambda f: f.step(watch), feeds), strict=True))
+        first = dict(zip([f.name for f in feeds], pool.map(lambda f: f.step(uppers), feeds), strict=True))
     out["setup_s"] = round(time.monotonic() - t_setup, 1)
-    log(f"N={n}: {n} collections, topics and sinks created, first steps produced in {out['setup_s']}s")
+    log(f"{at}: {n} {'topics' if peer else 'collections, topics and sinks'} created, first steps produced in "
+        f"{out['setup_s']}s")
 
-    ck = work / f"checkpoints-n{n}"
-    log_path = work / f"services-n{n}.log"
-    svc = Services({**env, "SHARDSINK_CHECKPOINT_DIR": str(ck)}, log_path)
+    log_path = work / f"{who}-n{n}.log"
+    root = f"s3://{settings.s3.bucket}/bench-sinks-deltalake/{run}"
+    if peer:
+        spec = work / f"deltalake-n{n}-{run}.json"
+        spec.write_text(json.dumps({"root": root, "progress": str(progress), "start": starts}))
+        child = Child([sys.executable, str(Path(__file__).resolve()), "--deltalake-peer", str(spec)], env, log_path)
+    else:
+        ck = work / f"checkpoints-n{n}"
+        child = Child([sys.executable, "-m", "services"], {**env, "SHARDSINK_CHECKPOINT_DIR": str(ck)}, log_path)
     t0 = time.monotonic()
     extra: Feed | None = None
-    out["services_log"] = str(log_path)
+    out[f"{who}_log"] = str(log_path)
     try:
         def behind() -> list[Feed]:
-            return [f for f in feeds if first[f.name] is None or watch.upper(f.name) < (first[f.name] or 0)]
+            return [f for f in feeds if first[f.name] is None or uppers.upper(f.name) < (first[f.name] or 0)]
 
-        wait_until(lambda: not behind(), budget, svc)
+        wait_until(lambda: not behind(), budget, child)
         missing = behind()
         out["sinks_without_upper"] = len(missing)
         if missing:
             out["start_to_first_uppers_s"] = None
-            log(f"N={n}: {len(missing)} of {n} sinks without an upper past their first step after "
-                f"{time.monotonic() - t0:.0f}s (budget {budget:.0f}s){'' if svc.alive() else '; the services exited'}")
+            log(f"{at}: {len(missing)} of {n} sinks without an upper past their first step after "
+                f"{time.monotonic() - t0:.0f}s (budget {budget:.0f}s){'' if child.alive() else f'; the {who} exited'}")
         else:
-            last = max(watch.when(f.name, first[f.name] or 0) or time.monotonic() for f in feeds)
+            last = max(uppers.when(f.name, first[f.name] or 0) or time.monotonic() for f in feeds)
             out["start_to_first_uppers_s"] = round(last - t0, 1)
-            log(f"N={n}: every sink's first upper {out['start_to_first_uppers_s']}s after starting the services")
-        if not svc.alive():
-            out["services_exit_code"] = svc.p.returncode
+            log(f"{at}: every sink's first upper {out['start_to_first_uppers_s']}s after starting the {who}")
+        if not child.alive():
+            out[f"{who}_exit_code"] = child.p.returncode
             return out
 
         # -- the workload: a step per sink every 3 s, spread over the 3 s -------------------------
@@ -463,12 +657,12 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch, work
 
         def sample() -> None:
             while not stop_sampling.wait(2.0):
-                samples.append(tree_usage(svc.pid))
+                samples.append(tree_usage(child.pid))
 
         sampler = threading.Thread(target=sample, daemon=True)
-        log(f"N={n}: workload: {periods} steps of {UPDATES_PER_STEP} updates per sink, one every {PERIOD_S:.0f}s")
+        log(f"{at}: workload: {periods} steps of {UPDATES_PER_STEP} updates per sink, one every {PERIOD_S:.0f}s")
         out["load_busy"] = load()
-        u0, w0 = tree_usage(svc.pid), time.monotonic()
+        u0, w0 = tree_usage(child.pid), time.monotonic()
         sampler.start()
         with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
             for k in range(periods):
@@ -476,9 +670,9 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch, work
                     delay = w0 + k * PERIOD_S + i * PERIOD_S / n - time.monotonic()
                     if delay > 0:
                         time.sleep(delay)
-                    pool.submit(f.step, watch)
+                    pool.submit(f.step, uppers)
             time.sleep(max(0.0, w0 + periods * PERIOD_S - time.monotonic()))
-        u1, w1 = tree_usage(svc.pid), time.monotonic()
+        u1, w1 = tree_usage(child.pid), time.monotonic()
         stop_sampling.set()
         sampler.join()
         out["busy_cpu_share"] = round((u1.cpu_s - u0.cpu_s) / ((w1 - w0) * cores), 3)
@@ -487,66 +681,86 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch, work
         out["steps_failed"] = sum(f.failed for f in feeds)
 
         # -- drain, then freshness --------------------------------------------------------------------
-        wait_until(lambda: all(watch.upper(f.name) >= f.frontier for f in feeds), ph.drain_s, svc)
+        wait_until(lambda: all(uppers.upper(f.name) >= f.frontier for f in feeds), ph.drain_s, child)
         fresh: list[float] = []
         unseen = 0
         for f in feeds:
             for fr, t in f.sent.items():
                 if fr == first[f.name]:
                     continue  # the first step is the start's
-                at = watch.when(f.name, fr)
-                if at is None:
+                reached = uppers.when(f.name, fr)
+                if reached is None:
                     unseen += 1
                 else:
-                    fresh.append(at - t)
+                    fresh.append(reached - t)
         out["steps"] = len(fresh) + unseen
         out["steps_without_upper"] = unseen
         out["freshness_p50_s"] = pct(fresh, 0.5)
         out["freshness_p99_s"] = pct(fresh, 0.99)
         out["freshness_max_s"] = round(max(fresh), 3) if fresh else None
-        log(f"N={n}: busy CPU {out['busy_cpu_share']:.1%} of {cores} cores; freshness p50 {out['freshness_p50_s']}s "
+        log(f"{at}: busy CPU {out['busy_cpu_share']:.1%} of {cores} cores; freshness p50 {out['freshness_p50_s']}s "
             f"p99 {out['freshness_p99_s']}s over {len(fresh)} steps ({unseen} without an upper)")
 
         # -- idle -----------------------------------------------------------------------------------------
         time.sleep(ph.settle_s)
         out["load_idle"] = load()
-        u0, w0 = tree_usage(svc.pid), time.monotonic()
+        u0, w0 = tree_usage(child.pid), time.monotonic()
         time.sleep(ph.idle_s)
-        u1, w1 = tree_usage(svc.pid), time.monotonic()
+        u1, w1 = tree_usage(child.pid), time.monotonic()
         out["idle_cpu_share"] = round((u1.cpu_s - u0.cpu_s) / ((w1 - w0) * cores), 3)
         out["processes"] = u1.processes
         out["rss_gib"] = round(u1.rss_bytes / 2**30, 2)
-        log(f"N={n}: idle CPU {out['idle_cpu_share']:.1%}; {u1.processes} processes, RSS {out['rss_gib']} GiB")
+        log(f"{at}: idle CPU {out['idle_cpu_share']:.1%}; {u1.processes} processes, RSS {out['rss_gib']} GiB")
 
-        # -- one more sink, with N running -------------------------------------------------------------
-        name = f"n{n}new-{run}"
-        extra = new_feed(settings, watch, name, seed=n + 1000, create_sink=False)
-        t_new = time.monotonic()
-        settings.catalog().create_sink(SinkDef(name, f"desired-{name}", name))
-        f_new = extra.step(watch) or 0
-        ok = wait_until(lambda: f_new > 0 and watch.upper(name) >= f_new, budget, svc)
-        at = watch.when(name, f_new) if ok else None
-        out["new_sink_first_upper_s"] = round(at - t_new, 1) if at is not None else None
-        log(f"N={n}: new sink's first upper after {out['new_sink_first_upper_s']}s")
+        if peer:
+            # The peer's topics are fixed when it starts (no new sink); its tables, drained, hold
+            # every update once.
+            out["new_sink_first_upper_s"] = None
+            out.update(peer_rows(feeds, root, env))
+            log(f"{at}: {out['deltalake_rows']} rows in the tables, {out['deltalake_rows_expected']} updates produced")
+        else:
+            # -- one more sink, with N running ---------------------------------------------------------
+            name = f"n{n}new-{run}"
+            extra = new_feed(settings, watch, name, seed=n + 1000, create_sink=False)
+            t_new = time.monotonic()
+            settings.catalog().create_sink(SinkDef(name, extra.topic, name))
+            f_new = extra.step(uppers) or 0
+            ok = wait_until(lambda: f_new > 0 and uppers.upper(name) >= f_new, budget, child)
+            reached = uppers.when(name, f_new) if ok else None
+            out["new_sink_first_upper_s"] = round(reached - t_new, 1) if reached is not None else None
+            log(f"{at}: new sink's first upper after {out['new_sink_first_upper_s']}s")
     finally:
-        out.update(count_failures(log_path))
-        out["services_alive_at_end"] = svc.alive()
-        svc.stop()
-        catalog = settings.catalog()
-        for f in feeds + ([extra] if extra is not None else []):
-            try:
-                f.producer.close()
-            except Exception as e:  # noqa: BLE001 - clean-up
-                log(f"closing {f.name}'s producer: {e}")
-            try:
-                catalog.drop_sink(f.name)
-            except Exception as e:  # noqa: BLE001 - not created, or already dropped
-                log(f"dropping {f.name}: {e}")
-            watch.forget(f.name)
+        # The services' query failures; the peer runs no queries (a failure ends it: *_alive_at_end).
+        out.update(count_failures(log_path) if not peer else {"query_failures": None})
+        out[f"{who}_alive_at_end"] = child.alive()
+        child.stop()
+        if isinstance(uppers, PeerUppers):
+            uppers.stop()
+        close_feeds(settings, watch, feeds + ([extra] if extra is not None else []))
     out["load_end"] = load()
     out["total_s"] = round(time.monotonic() - t_setup, 1)
-    log(f"N={n}: {out['query_failures']} query failure lines; done in {out['total_s']}s")
+    failures = "" if peer else f"{out['query_failures']} query failure lines; "
+    log(f"{at}: {failures}done in {out['total_s']}s")
     return out
+
+
+def close_feeds(settings: Any, watch: UppersWatch | None, feeds: list[Feed]) -> None:
+    """Close the feeds' producers; with a watch (the services), drop their sinks and stop
+    watching their shards."""
+    for f in feeds:
+        try:
+            f.producer.close()
+        except Exception as e:  # noqa: BLE001 - clean-up
+            log(f"closing {f.name}'s producer: {e}")
+    if watch is None:
+        return
+    catalog = settings.catalog()
+    for f in feeds:
+        try:
+            catalog.drop_sink(f.name)
+        except Exception as e:  # noqa: BLE001 - not created, or already dropped
+            log(f"dropping {f.name}: {e}")
+        watch.forget(f.name)
 
 
 # -- plot -------------------------------------------------------------------------------------------------------
@@ -561,8 +775,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
     pts = res["per_n"]
     ns = [p["sinks"] for p in pts]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    fig.suptitle(f"shardsink: N sinks in one application (SHARDSINK_QUERIES={res['service_mode']}, "
-                 f"{res['cores']} cores{', quick' if res['quick'] else ''}, {res['timestamp']})")
+    served = ("the delta-rs peer: N desired topics in one process (" if res["peer"] else
+              f"shardsink: N sinks in one application (SHARDSINK_QUERIES={res['service_mode']}, ")
+    fig.suptitle(f"{served}{res['cores']} cores{', quick' if res['quick'] else ''}, {res['timestamp']})")
     ax = axes[0]
     for key, label in (("freshness_p50_s", "freshness p50"), ("freshness_p99_s", "freshness p99"),
                        ("start_to_first_uppers_s", "start to first uppers"), ("new_sink_first_upper_s", "new sink's first upper")):
@@ -583,7 +798,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.plot(ns, [p.get("busy_cpu_share") for p in pts], "o-", label="busy")
     ax.plot(ns, [p.get("idle_cpu_share") for p in pts], "o-", label="idle")
     ax.set_ylabel("share of all cores")
-    ax.set_title("CPU of the services' tree")
+    ax.set_title("CPU of the peer's process" if res["peer"] else "CPU of the services' tree")
     for a in axes:
         a.set_xscale("log")
         a.minorticks_off()
@@ -615,8 +830,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, help="pause between the drained workload and the idle measurement (default 10, quick 5)")
     ap.add_argument("--drain-s", type=float, help="budget for the workload's last steps to reach their uppers (default 120, quick 60)")
     ap.add_argument("--budget-s", type=float, help="budget for every sink's first upper (default 120 s + 3 s per sink)")
+    ap.add_argument("--peer", choices=("deltalake",), help="serve the N desired topics with the delta-rs peer instead "
+                    "of the services (one process writing a Delta table per topic)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS, help="where the figures and the plot go (default bench/results)")
+    ap.add_argument("--deltalake-peer", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.deltalake_peer:
+        return deltalake_peer(args.deltalake_peer)
 
     from services.runner import ensure_control_topics
     from services.runtime.settings import ServiceSettings
@@ -637,11 +857,12 @@ def main(argv: list[str] | None = None) -> int:
         tree_source = "psutil"
     except ImportError:
         tree_source = "/proc"
-    res: dict[str, Any] = {"quick": q, "service_mode": args.mode, "sinks": sinks, "cores": os.cpu_count(),
-                           "timestamp": ts, "load_start": load(), "phases": asdict(ph), "process_tree_from": tree_source}
+    res: dict[str, Any] = {"quick": q, "service_mode": None if args.peer else args.mode, "peer": args.peer,
+                           "sinks": sinks, "cores": os.cpu_count(), "timestamp": ts, "load_start": load(),
+                           "phases": asdict(ph), "process_tree_from": tree_source}
     work = Path(os.environ.get("SHARDSINK_BENCH_DIR") or f"/tmp/shardsink-bench-sinks-{uuid.uuid4().hex[:8]}")
     work.mkdir(parents=True, exist_ok=True)
-    log(f"work dir {work}; SHARDSINK_QUERIES={args.mode}; sinks {sinks}")
+    log(f"work dir {work}; {f'peer {args.peer}' if args.peer else f'SHARDSINK_QUERIES={args.mode}'}; sinks {sinks}")
     t_bench = time.monotonic()
     run = uuid.uuid4().hex[:6]
     per_n: list[dict[str, Any]] = []
@@ -654,8 +875,10 @@ def main(argv: list[str] | None = None) -> int:
             "SHARDSINK_QUERIES": args.mode,
         }  # every other setting at its default (trigger 100 ms, catalog poll 1 s)
         settings = ServiceSettings.from_env_and_args(None, env)
-        ensure_control_topics(settings)
-        watch = UppersWatch(settings.kafka, settings.frontiers_topic)
+        watch = None  # the peer: no services, no shards to watch
+        if not args.peer:
+            ensure_control_topics(settings)
+            watch = UppersWatch(settings.kafka, settings.frontiers_topic)
         try:
             for n in sinks:
                 try:
@@ -664,20 +887,22 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"N={n}: failed: {type(e).__name__}: {e}")
                     per_n.append({"sinks": n, "error": f"{type(e).__name__}: {e}"})
         finally:
-            watch.stop()
+            if watch is not None:
+                watch.stop()
     res["per_n"] = per_n
     largest = max(per_n, key=lambda p: p["sinks"]) if per_n else {}
     for k in TOP_LEVEL:
         res[k] = largest.get(k)
     res["load_end"] = load()
     res["total_s"] = round(time.monotonic() - t_bench, 1)
+    stem = args.results_dir / (f"sinks-{args.peer}-{ts}" if args.peer else f"sinks-{ts}")
     try:
         args.results_dir.mkdir(parents=True, exist_ok=True)
-        (args.results_dir / f"sinks-{ts}.json").write_text(json.dumps(res, indent=2) + "\n")
-        png = args.results_dir / f"sinks-{ts}.png"
+        stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+        png = stem.with_suffix(".png")
         plot(res, png)
         res["plot"] = str(png)
-        log(f"figures {args.results_dir / f'sinks-{ts}.json'}, plot {png}")
+        log(f"figures {stem.with_suffix('.json')}, plot {png}")
     except Exception as e:  # noqa: BLE001 - matplotlib missing: the figures still print
         log(f"plot skipped: {type(e).__name__}: {e}")
     print(json.dumps(res))
