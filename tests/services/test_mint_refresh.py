@@ -162,10 +162,9 @@ def test_the_statements_the_source_found_are_taken_and_the_ranges_it_could_not_r
     assert m.unread == {2: (30, 35)}
 
 
-def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_while_waiting(monkeypatch: Any) -> None:
-    """The shared query's minters (``backoff``): an announcement's upper is absorbed with no
-    read of the shard and mints at once; a sink waiting for its upper reads the shard after 1
-    s, then after 2, 4 and 8 s (the most) while it does not move, and after 1 s again once it moved."""
+def shared_minter(monkeypatch: Any) -> tuple[list[float], CountingShard, Producer, Any]:
+    """A shared query's minter (``backoff``) of one sink on a one-partition topic, with a
+    clock the test moves (at 100 s)."""
     clock = [100.0]
     monkeypatch.setattr(mint.time, "monotonic", lambda: clock[0])
     settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs")
@@ -173,6 +172,26 @@ def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_
     state = MintState("s", epoch=1, partition_count=1, as_of=0, read_only=False, nonce="n")
     producer = Producer()
     m = mint.SinkMinter(SinkDef("s", "desired", "c"), settings, shard, state, producer, backoff=True)  # type: ignore[arg-type]
+    return clock, shard, producer, m
+
+
+def reads_while_waiting(m: Any, clock: list[float], seconds: float) -> list[float]:
+    """Micro-batches every 0.5 s for ``seconds`` while nothing comes: when (seconds from the
+    start) the minter read its shard."""
+    start, reads_at = clock[0], []
+    for _ in range(int(seconds / 0.5)):
+        clock[0] += 0.5
+        if m.refresh_due(clock[0]):
+            m.process(records())
+            reads_at.append(clock[0] - start)
+    return reads_at
+
+
+def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_while_waiting(monkeypatch: Any) -> None:
+    """The shared query's minters (``backoff``): an announcement's upper is absorbed with no
+    read of the shard and mints at once; a sink waiting for its upper reads the shard after 1
+    s, then after 2, 4 and 8 s (the most) while it does not move, and after 1 s again once it moved."""
+    clock, shard, producer, m = shared_minter(monkeypatch)
 
     m.process(records((KIND_PROGRESS, "desired", 5)))
     assert (shard.reads, len(producer.sent)) == (1, 1)  # [0, 5) minted
@@ -181,13 +200,8 @@ def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_
     assert (shard.reads, len(producer.sent)) == (1, 2)  # no read: [5, 9) minted from the announced upper
     assert m.state.persist_frontier == Frontier.at(5)
 
-    reads_at = []
-    for _ in range(40):  # 20 s waiting for [5, 9), nothing announced
-        clock[0] += 0.5
-        if m.refresh_due(clock[0]):
-            m.process(records())
-            reads_at.append(clock[0] - 100.0)
-    assert reads_at == [1.0, 3.0, 7.0, 15.0]  # 1, 2, 4 and 8 s apart (the most): a lost announcement costs at most 8 s
+    # 20 s waiting for [5, 9), nothing announced
+    assert reads_while_waiting(m, clock, 20.0) == [1.0, 3.0, 7.0, 15.0]  # 1, 2, 4 and 8 s apart (the most): a lost announcement costs at most 8 s
     assert shard.reads == 5
     shard.upper = 9  # the upper moves; the next read sees it and the wait starts again at 1 s
     clock[0] += 8.0
@@ -199,13 +213,7 @@ def test_a_shared_minter_waits_twice_its_last_upper_wait_before_its_first_read(m
     """A busy deployment: the last description's upper was announced 3 s after it was minted,
     so a waiting sink's first read of the shard comes 6 s after the announcement (a read before
     would find nothing new), then 8 s apart; one that waited 0.2 s reads after 1 s again."""
-    clock = [100.0]
-    monkeypatch.setattr(mint.time, "monotonic", lambda: clock[0])
-    settings = SimpleNamespace(frontiers_topic="frontiers", descs_topic="descs")
-    shard = CountingShard(upper=0)
-    state = MintState("s", epoch=1, partition_count=1, as_of=0, read_only=False, nonce="n")
-    producer = Producer()
-    m = mint.SinkMinter(SinkDef("s", "desired", "c"), settings, shard, state, producer, backoff=True)  # type: ignore[arg-type]
+    clock, shard, producer, m = shared_minter(monkeypatch)
 
     m.process(records((KIND_PROGRESS, "desired", 5), (KIND_PROGRESS, "desired", 9)))
     assert (shard.reads, len(producer.sent)) == (1, 1)  # [0, 9) minted at 100 s
@@ -214,13 +222,8 @@ def test_a_shared_minter_waits_twice_its_last_upper_wait_before_its_first_read(m
     assert m.refresh_every == 6.0
     m.process(records((KIND_PROGRESS, "desired", 12)))
     assert len(producer.sent) == 2  # [9, 12) minted at 103 s
-    reads_at = []
-    for _ in range(40):  # 20 s waiting for [9, 12), nothing announced
-        clock[0] += 0.5
-        if m.refresh_due(clock[0]):
-            m.process(records())
-            reads_at.append(clock[0] - 103.0)
-    assert reads_at == [6.0, 14.0]  # then 8 s apart (the most)
+    # 20 s waiting for [9, 12), nothing announced
+    assert reads_while_waiting(m, clock, 20.0) == [6.0, 14.0]  # then 8 s apart (the most)
 
     clock[0] += 0.2
     m.process(records((KIND_CONTROL, "frontiers", None)), announced=[12])
