@@ -32,6 +32,7 @@ import base64
 import itertools
 import json
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -332,6 +333,7 @@ class WriteFleetReader(FleetStreamReader):
             )
             out = list(run_write_step(job, u.wp, batch_id, fn(raw)))
         except Exception as e:  # noqa: BLE001 - a unit's failure is its sink's alone
+            _discard_version(u, batch_id)
             body = {
                 "error": f"{type(e).__name__}: {e}"[:2000],
                 "trace": traceback.format_exc()[-4000:],
@@ -342,6 +344,20 @@ class WriteFleetReader(FleetStreamReader):
             row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
             return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
         return [_with_sink(b, u.key) for b in out if b.num_rows]
+
+
+def _discard_version(u: WriteUnit, batch_id: int) -> None:
+    """A failed unit's writer partition keeps no version of this micro-batch (one an earlier
+    attempt of the batch wrote before the driver's step failed would hold the input the replay
+    gives again: absorbed twice)."""
+    from shared.spark.state_files import WriterStateFiles
+
+    try:
+        WriterStateFiles(u.job.checkpoint, u.job.settings.s3).discard(u.wp, batch_id)
+    except Exception as e:  # noqa: BLE001 - the failure row below still holds the unit
+        traceback.print_exc()
+        print(f"shardsink-write: could not discard version {batch_id} of writer partition {u.wp} of {u.key}: {e}",
+              file=sys.stderr)
 
 
 def _unproven_without_state(u: WriteUnit) -> KafkaInputPartition | None:

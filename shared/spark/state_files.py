@@ -115,6 +115,17 @@ class WriterStateFiles:
             return cached
         return version, decode(self._read(wp, version))
 
+    def discard(self, wp: int, batch_id: int) -> None:
+        """Delete version ``batch_id`` of ``wp``: an attempt of that micro-batch failed for the
+        partition, and a version an earlier attempt of the same micro-batch wrote (before the
+        driver's step failed and the batch ran again) must not become the live one: the
+        partition's next step starts from the version before the batch, with its input again."""
+        if batch_id in self.versions(wp):
+            self._delete(wp, batch_id)
+        cached = _CACHE.get((self.checkpoint, wp))
+        if cached is not None and cached[0] == batch_id:
+            _CACHE.pop((self.checkpoint, wp), None)
+
     def save(self, wp: int, batch_id: int, data: bytes, state: Any) -> None:
         """Write version ``batch_id`` of ``wp`` (replacing one a failed attempt wrote) and
         delete versions beyond the newest :data:`KEEP`. ``state`` is what ``data`` encodes:

@@ -154,3 +154,36 @@ def test_a_micro_batch_flushes_the_shared_producer_once_for_every_sink(tmp_path,
     assert producer.flushes == 1
     assert sorted(app.registry) == ["s0", "s1", "s2"] and all(not w.flush_each for w in app.registry.values())
     assert all(w.stats[1]["desired_updates"] == 3 for w in app.registry.values())
+
+
+def test_a_failed_unit_leaves_no_version_of_its_micro_batch_that_an_earlier_attempt_wrote(tmp_path, monkeypatch) -> None:
+    """A micro-batch whose driver step failed (a flush) runs again with the same id; a unit that
+    succeeded in the first attempt saved that version. If the unit fails in the second attempt,
+    the version goes: the replay of its input at the next micro-batch starts from the version
+    before the batch (with the first attempt's version it absorbed the input twice: updates
+    below a progress statement it had already seen, as error rows; chaos --quick, 2026-11-26)."""
+    import json
+    from types import SimpleNamespace
+
+    from services.write import shared_source as wss
+    from shared.catalog import SinkDef
+    from shared.spark.state_files import WriterStateFiles
+
+    files = WriterStateFiles(str(tmp_path))
+    files.save(0, 6, b"before the batch", {"v": 6})
+    files.save(0, 7, b"first attempt of batch 7", {"v": 7})
+    files.save(1, 7, b"the other partition's", {"v": 7})
+
+    def fail(*a, **k):
+        raise RuntimeError("injected timeout after the PUT landed")
+
+    monkeypatch.setattr(wss, "run_write_step", fail)
+    schema = json.dumps({"type": "record", "name": "R", "fields": [{"name": "k", "type": "long"}]})
+    job = SimpleNamespace(sink=SinkDef("s", "d", "c", epoch=1), schema_json=schema, partitions=2, descs_topic="descs",
+                          checkpoint=str(tmp_path), settings=SimpleNamespace(s3=None))
+    u = wss.WriteUnit("s@1", 0, job, None, [], [])  # type: ignore[arg-type]
+    reader = object.__new__(wss.WriteFleetReader)
+    [row] = [r for b in reader._run_unit(u, 7) for r in b.to_pylist()]
+    assert row["kind"] == "fail" and "injected timeout" in json.loads(row["body"])["error"]
+    assert files.versions(0) == [6] and files.versions(1) == [7]  # the other partition's stands
+    assert files.load(0, 8, lambda data: data) == (6, b"before the batch")
