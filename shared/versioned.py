@@ -155,16 +155,16 @@ class VersionedLog(Generic[S]):
                 # The next states one by one while they do not pass (a caller's cached head is
                 # a state or two behind): a GET each, where galloping costs HEADs and a GET.
                 decoded = self.decode(fetched[1])
-                for _ in range(ENOUGH_GETS):
-                    if enough(decoded):
+                gets = 0
+                while not enough(decoded):
+                    if gets == ENOUGH_GETS:
+                        decoded = None  # still short of it: find the head as usual
                         break
                     try:
                         fetched = (lo + 1, self.store.get(self.state_key(lo + 1)))
                     except ObjectNotFoundError:
                         break  # ``lo`` is the head
-                    lo, decoded = lo + 1, self.decode(fetched[1])
-                else:
-                    decoded = None  # still short of it: find the head as usual
+                    lo, decoded, gets = lo + 1, self.decode(fetched[1]), gets + 1
                 if decoded is not None:
                     self.set_head(decoded)
                     return decoded

@@ -89,7 +89,7 @@ def test_a_refresh_that_needs_only_a_state_reaching_a_point_stops_at_the_first_t
     assert log.refresh(enough=lambda st: st.seqno >= 99).seqno == 2 + new  # never enough: the head, as a refresh finds it
 
 
-@pytest.mark.parametrize("behind", [1, 2, 4, 6])
+@pytest.mark.parametrize("behind", [1, 2, 4, 5, 6])
 def test_a_refresh_that_needs_a_state_a_few_behind_the_head_reads_the_states_one_by_one(behind: int) -> None:
     """A writer partition whose cached head is a few states behind the one it needs reads the
     next states with a GET each and takes the first that passes (no HEAD); past
