@@ -9,9 +9,10 @@ something to do: news on its desired partition, a description of its sink, or a 
 Idle sinks get no unit, so a hundred idle sinks cost no task. Units are packed into few tasks
 (:func:`pack_units`), each carrying its sink's :class:`services.write.job.WriteJob`.
 
-Execution (executors): a task runs its units, the units of one sink one after the other and
-different sinks' units side by side on a few threads (their time is mostly S3 and Kafka
-round trips); each unit decodes its input and runs the write step of
+Execution (executors): a task reads its units' desired ranges together (one consumer, one
+assignment: :mod:`shared.spark.kafka_ranges`), then runs its units, the units of one sink one
+after the other and different sinks' units side by side on a few threads (their time is mostly
+S3 round trips); each unit decodes its input and runs the write step of
 :mod:`services.write.executor` exactly as a per-sink query does, with its state versioned by
 the shared query's micro-batch ids under the sink's own folder. A unit that fails yields a
 ``fail`` row instead of failing the task: one sink's failure is that sink's alone.
@@ -81,6 +82,8 @@ TASKS_PER_CORE = 4
 #: 200 units where one that admits the described sinks' plans about 116: every 5 s, that was
 #: every other micro-batch.
 ADMIT_ALL_EVERY_S = 20.0
+#: A task reads its units' desired ranges together, in waves of at most this many records.
+PREFETCH_RECORDS = 200_000
 #: Threads a task runs its sinks' units on (their time is mostly S3 and Kafka round trips).
 UNIT_THREADS = 4
 _RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
@@ -306,31 +309,62 @@ class WriteFleetReader(FleetStreamReader):
         settle()
         assert isinstance(partition, UnitsPartition)
         batch_id = _batch_id()
-        by_sink: dict[str, list[WriteUnit]] = {}
-        for u in partition.units:
-            by_sink.setdefault(u.key, []).append(u)
 
-        def run(units: list[WriteUnit]) -> list[pa.RecordBatch]:
-            return [b for u in units for b in self._run_unit(u, batch_id)]
+        def run(units: list[WriteUnit], inputs: Mapping[int, Any]) -> list[pa.RecordBatch]:
+            return [b for u in units for b in self._run_unit(u, batch_id, inputs[id(u)])]
 
-        groups = list(by_sink.values())
-        if len(groups) > 1:
-            with ThreadPoolExecutor(max_workers=min(UNIT_THREADS, len(groups))) as ex:
-                results = list(ex.map(run, groups))
-        else:
-            results = [run(g) for g in groups]
-        return iter([b for r in results for b in r])
+        out: list[pa.RecordBatch] = []
+        for wave in _waves(partition.units):
+            inputs = self._prefetch(wave)
+            groups: dict[str, list[WriteUnit]] = {}
+            for u in wave:
+                groups.setdefault(u.key, []).append(u)
+            if len(groups) > 1:
+                with ThreadPoolExecutor(max_workers=min(UNIT_THREADS, len(groups))) as ex:
+                    results = list(ex.map(lambda g: run(g, inputs), groups.values()))
+            else:
+                results = [run(g, inputs) for g in groups.values()]
+            out.extend(b for r in results for b in r)
+        return iter(out)
 
-    def _run_unit(self, u: WriteUnit, batch_id: int) -> list[pa.RecordBatch]:
+    def _prefetch(self, units: Sequence[WriteUnit]) -> dict[int, list[pa.RecordBatch] | Exception]:
+        """The units' desired ranges, read together (:func:`shared.spark.kafka_ranges.read_ranges`:
+        one assignment and shared fetches instead of one of each per unit); per unit its records
+        (after a history-gap marker where its state is missing, :func:`_unproven_without_state`)
+        or the error of its range alone."""
+        from shared.spark.kafka_ranges import Range, read_ranges
+        from shared.spark.kafka_source import _with_gap_marker
+
+        o = self.options
+        got: dict[int, list[pa.RecordBatch] | Exception] = {}
+        wanted: list[tuple[WriteUnit, Range, list[pa.RecordBatch]]] = []
+        for u in units:
+            try:
+                d = _unproven_without_state(u)
+            except Exception as e:  # noqa: BLE001 - the unit's failure row says it
+                got[id(u)] = e
+                continue
+            if d is None:
+                got[id(u)] = []
+                continue
+            head = [next(iter(_with_gap_marker(o, d, d.lost_from, self.values_only)))] if d.lost_from is not None else []
+            wanted.append((u, Range(d.topic, d.partition, d.start, d.end), head))
+        read = read_ranges(o.settings, [r for _, r, _ in wanted], batch_size=o.records_per_arrow_batch,
+                           fail_on_data_loss=o.fail_on_data_loss, timeout_s=o.timeout_s,
+                           skip_prefixes={t: p for t in {r.topic for _, r, _ in wanted} if (p := o.skip_prefix(t)) is not None},
+                           values_only=self.values_only)
+        for (u, _, head), batches in zip(wanted, read, strict=True):
+            got[id(u)] = batches if isinstance(batches, Exception) else head + batches
+        return got
+
+    def _run_unit(self, u: WriteUnit, batch_id: int, got: list[pa.RecordBatch] | Exception) -> list[pa.RecordBatch]:
         job = u.job
         try:
+            if isinstance(got, Exception):
+                raise got
             fn = decode_partition(job.sink.desired_topic, job.schema_json, route_to=job.partitions, executor=False,
                                   quarantine=list(u.quarantine), only_wp=u.wp)
-            desired = _unproven_without_state(u)
-            raw = itertools.chain(
-                self._read_one(desired) if desired is not None else iter(()),
-                [_control_batch(job.descs_topic, u.descs)] if u.descs else [],
-            )
+            raw = itertools.chain(got, [_control_batch(job.descs_topic, u.descs)] if u.descs else [])
             out = list(run_write_step(job, u.wp, batch_id, fn(raw)))
         except Exception as e:  # noqa: BLE001 - a unit's failure is its sink's alone
             _discard_version(u, batch_id)
@@ -344,6 +378,22 @@ class WriteFleetReader(FleetStreamReader):
             row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
             return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
         return [_with_sink(b, u.key) for b in out if b.num_rows]
+
+
+def _waves(units: Sequence[WriteUnit]) -> list[list[WriteUnit]]:
+    """A task's units in waves whose desired ranges together hold at most
+    :data:`PREFETCH_RECORDS` records (a unit above it is a wave alone): a wave's input is read
+    at once and held until its units ran."""
+    waves: list[list[WriteUnit]] = [[]]
+    size = 0
+    for u in units:
+        n = 0 if u.desired is None else u.desired.end - u.desired.start
+        if waves[-1] and size + n > PREFETCH_RECORDS:
+            waves.append([])
+            size = 0
+        waves[-1].append(u)
+        size += n
+    return [w for w in waves if w]
 
 
 def _discard_version(u: WriteUnit, batch_id: int) -> None:

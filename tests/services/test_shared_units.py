@@ -183,7 +183,7 @@ def test_a_failed_unit_leaves_no_version_of_its_micro_batch_that_an_earlier_atte
                           checkpoint=str(tmp_path), settings=SimpleNamespace(s3=None))
     u = wss.WriteUnit("s@1", 0, job, None, [], [])  # type: ignore[arg-type]
     reader = object.__new__(wss.WriteFleetReader)
-    [row] = [r for b in reader._run_unit(u, 7) for r in b.to_pylist()]
+    [row] = [r for b in reader._run_unit(u, 7, []) for r in b.to_pylist()]
     assert row["kind"] == "fail" and "injected timeout" in json.loads(row["body"])["error"]
     assert files.versions(0) == [6] and files.versions(1) == [7]  # the other partition's stands
     assert files.load(0, 8, lambda data: data) == (6, b"before the batch")

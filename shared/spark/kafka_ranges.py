@@ -1,0 +1,267 @@
+"""Many offset ranges of Kafka partitions read at once, by one consumer (:func:`read_ranges`).
+
+The write service's shared query runs many small units in a task, each with a range of its
+sink's desired partition (:mod:`services.write.shared_source`). Read one by one
+(:func:`shared.spark.kafka_source.read_range`), each range costs an assignment, a fetch round
+trip and an unassignment; confluent-kafka's ``assign`` and ``unassign`` wait for librdkafka's
+main thread **holding the GIL**, so every other unit thread of the worker process waits with
+them (measured at 100 sinks: 44 % of the samples that held a write worker's GIL). Read
+together, a task's ranges cost one assignment, fetches that carry every partition of a broker
+at once, and one unassignment.
+
+Each range gets its own outcome: its records, as RecordBatches of the source schema in offset
+order, exactly the offsets ``[start, end)`` (gaps allowed, as in ``read_range``), or the error
+of that range alone (records deleted by retention, nothing arriving for ``timeout_s``), so one
+sink's lost history does not fail another sink's unit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shared.errors import KafkaAdapterError, KafkaDataLossError, KafkaTimeoutError
+from shared.io.kafka import KafkaSettings, new_consumer, translate
+from shared.spark.consumer_pool import give_back, take_pooled
+
+
+#: Marks, among the topics a pooled consumer knows, one that paused a partition.
+_PAUSED = "\0paused"
+
+
+@dataclass(frozen=True)
+class Range:
+    """Offsets ``[start, end)`` of ``topic``/``partition``."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+@dataclass
+class _Reading:
+    r: Range
+    offs: list[int] = field(default_factory=list)
+    vals: list[Any] = field(default_factory=list)
+    keys: list[Any] = field(default_factory=list)
+    tss: list[Any] = field(default_factory=list)
+    hdrs: list[Any] = field(default_factory=list)
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    error: Exception | None = None
+    done: bool = False
+    paused: bool = False
+    next_off: int = 0
+
+
+def read_ranges(
+    settings: KafkaSettings,
+    ranges: Sequence[Range],
+    *,
+    batch_size: int = 20_000,
+    fail_on_data_loss: bool = True,
+    timeout_s: float = 60.0,
+    skip_prefixes: Mapping[str, bytes] | None = None,
+    values_only: bool = False,
+) -> list[list[pa.RecordBatch] | Exception]:
+    """Every range's records (or its error), in the order of ``ranges``; the options mean what
+    they mean for :func:`shared.spark.kafka_source.read_range`. A partition named by two
+    ranges is read once per range."""
+    from shared.spark.kafka_source import _arrow_schema
+
+    out: list[list[pa.RecordBatch] | Exception] = [[] for _ in ranges]
+    todo: dict[tuple[str, int], int] = {}
+    again: list[int] = []
+    for i, r in enumerate(ranges):
+        if r.end <= r.start:
+            continue
+        if (r.topic, r.partition) in todo:
+            again.append(i)
+        else:
+            todo[(r.topic, r.partition)] = i
+    if not todo:
+        return out
+    schema = _arrow_schema()
+    extra = {
+        "enable.partition.eof": "true",
+        "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
+        "fetch.wait.max.ms": "5",
+        "queued.min.messages": str(max(batch_size, 100_000)),
+    }
+    # Its own pool (a pause this reader made never meets read_range's consumers).
+    pool_key = repr(sorted(settings.config(**extra).items())) + "/ranges"
+    consumer, known = take_pooled(pool_key) or (new_consumer(settings, **extra), set())
+    pooled = False
+    states = {tp: _Reading(ranges[i], next_off=ranges[i].start) for tp, i in todo.items()}
+    skip = dict(skip_prefixes or {})
+    try:
+        _learn_topics(consumer, known, {t for t, _ in states}, timeout_s)
+        from confluent_kafka import TopicPartition
+
+        tps = [TopicPartition(t, p, s.r.start) for (t, p), s in states.items()]
+        consumer.assign(tps)
+        if _PAUSED in known:  # a partition it paused may still be, whatever the assignment
+            consumer.resume(tps)
+        if _consume(consumer, states, schema, batch_size, timeout_s, skip, values_only):
+            known.add(_PAUSED)
+        consumer.unassign()  # stops fetching and drops what was prefetched beyond the ends
+        pooled = give_back(pool_key, consumer, known)
+    except KafkaAdapterError as e:
+        for s in states.values():
+            if not s.done and s.error is None:
+                s.error = e
+    finally:
+        if not pooled:
+            consumer.close()
+    for tp, i in todo.items():
+        s = states[tp]
+        out[i] = s.error if s.error is not None else s.batches
+    if again:
+        rest = read_ranges(settings, [ranges[i] for i in again], batch_size=batch_size, fail_on_data_loss=fail_on_data_loss,
+                           timeout_s=timeout_s, skip_prefixes=skip_prefixes, values_only=values_only)
+        for i, got in zip(again, rest, strict=True):
+            out[i] = got
+    return out
+
+
+def _learn_topics(consumer: Any, known: set[str], topics: set[str], timeout_s: float) -> None:
+    """The metadata of the topics the consumer does not know yet (a consumer assigned a
+    partition of a topic it does not know waits up to a second for it): one round trip for
+    all of them when several are new."""
+    from confluent_kafka import KafkaException
+
+    new = topics - known
+    if not new:
+        return
+    try:
+        if len(new) == 1:
+            (t,) = new
+            consumer.list_topics(t, timeout=timeout_s)
+            known.add(t)
+        else:
+            md = consumer.list_topics(timeout=timeout_s)
+            known.update(t for t in md.topics if md.topics[t].error is None)
+            for t in new - known:
+                consumer.list_topics(t, timeout=timeout_s)
+                known.add(t)
+    except KafkaException as e:
+        raise translate(e, f"reading the metadata of {sorted(new)}") from e
+
+
+def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.Schema, batch_size: int,
+             timeout_s: float, skip: Mapping[str, bytes], values_only: bool) -> bool:
+    """Reads until every range is done; True when it paused a partition."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    open_ = sum(1 for s in states.values() if not s.done)
+    idle_since = time.monotonic()
+    paused = False
+    while open_:
+        want = max(1, min(batch_size, 10_000, sum(s.r.end - s.next_off for s in states.values() if not s.done)))
+        msgs = consumer.consume(num_messages=want, timeout=0.05)
+        if not msgs:
+            if time.monotonic() - idle_since > timeout_s:
+                for s in states.values():
+                    if not s.done:
+                        s.error = KafkaTimeoutError(
+                            f"expected records up to offset {s.r.end} of {s.r.topic}/{s.r.partition} within "
+                            f"{timeout_s}s, found the last at {s.next_off - 1}",
+                            topic=s.r.topic, partition=s.r.partition,
+                        )
+                        s.done = True
+                return paused
+            continue
+        idle_since = time.monotonic()
+        finished: list[_Reading] = []
+        beyond: list[_Reading] = []  # read past their ends: the partition holds more
+        for m in msgs:
+            s = states.get((m.topic(), m.partition()))
+            err = m.error()
+            if s is None or s.done:
+                if err is not None and s is None and err.code() != KafkaError._PARTITION_EOF:
+                    raise translate(KafkaException(err), "reading many ranges")
+                if s is not None and err is None and not s.paused:
+                    s.paused = True
+                    beyond.append(s)
+                continue  # prefetched beyond a range's end
+            if err is not None:
+                code = err.code()
+                if code == KafkaError._PARTITION_EOF:
+                    if int(m.offset() or 0) >= s.r.end:
+                        s.done = True
+                        finished.append(s)
+                    continue
+                if code == KafkaError._AUTO_OFFSET_RESET or code == KafkaError.OFFSET_OUT_OF_RANGE:
+                    s.error = KafkaDataLossError(
+                        f"expected offsets [{s.r.start}, {s.r.end}) of {s.r.topic}/{s.r.partition} to be "
+                        f"readable, found them deleted ({err.str()})",
+                        topic=s.r.topic, partition=s.r.partition, start=s.r.start, end=s.r.end,
+                    )
+                else:
+                    s.error = translate(KafkaException(err), f"reading {s.r.topic}/{s.r.partition}")
+                s.done = True
+                finished.append(s)
+                continue
+            off = int(m.offset() or 0)
+            if off >= s.r.end:
+                s.done = s.paused = True
+                finished.append(s)
+                beyond.append(s)
+                continue
+            s.next_off = off + 1
+            val = m.value()
+            prefix = skip.get(s.r.topic)
+            if not (prefix is not None and val is not None and val.startswith(prefix)):
+                s.vals.append(val)
+                s.offs.append(off)
+                if not values_only:
+                    s.keys.append(m.key())
+                    tt, t = m.timestamp()
+                    s.tss.append(t if tt else None)
+                    s.hdrs.append(m.headers())
+            if s.next_off >= s.r.end:
+                s.done = True
+                finished.append(s)
+            elif len(s.offs) >= batch_size:
+                _flush(s, schema, values_only)
+        for s in finished:
+            open_ -= 1
+            if s.error is None:
+                _flush(s, schema, values_only)
+            else:
+                s.batches = []
+        if beyond and open_:
+            # A partition that holds more than its range would be fetched on while the others
+            # are read: paused (a range that ends at the partition's end is not: nothing to fetch).
+            consumer.pause([TopicPartition(s.r.topic, s.r.partition) for s in beyond])
+            paused = True
+    return paused
+
+
+def _flush(s: _Reading, schema: pa.Schema, values_only: bool) -> None:
+    n = len(s.offs)
+    if not n:
+        return
+    r = s.r
+    if values_only:
+        cols = [pa.nulls(n, pa.binary()), pa.array(s.vals, pa.binary()), pa.array([r.topic] * n, pa.string()),
+                pa.array(np.full(n, r.partition, dtype=np.int32)), pa.array(s.offs, pa.int64()),
+                pa.nulls(n, schema.field("timestamp").type), pa.nulls(n, schema.field("headers").type)]
+    else:
+        import pyarrow.compute as pc
+
+        htype = schema.field("headers").type
+        ts = pc.multiply(pa.array(s.tss, pa.int64()), 1000).cast(schema.field("timestamp").type)
+        if any(h is not None for h in s.hdrs):
+            headers = pa.array([None if h is None else [{"key": k, "value": v} for k, v in h] for h in s.hdrs], htype)
+        else:
+            headers = pa.nulls(n, htype)
+        cols = [pa.array(s.keys, pa.binary()), pa.array(s.vals, pa.binary()), pa.array([r.topic] * n, pa.string()),
+                pa.array(np.full(n, r.partition, dtype=np.int32)), pa.array(s.offs, pa.int64()), ts, headers]
+    s.batches.append(pa.RecordBatch.from_arrays(cols, schema=schema))
+    s.offs, s.vals, s.keys, s.tss, s.hdrs = [], [], [], [], []

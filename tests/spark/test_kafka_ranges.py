@@ -1,0 +1,92 @@
+"""``read_ranges``: many partitions' offset ranges read together by one consumer (the write
+service's shared query reads a task's units' desired ranges with it), against the embedded
+broker: each range gets exactly its records, or its own error, and the others are unharmed."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared.devstack.embedded import EmbeddedStack
+from shared.errors import KafkaTimeoutError
+from shared.io.kafka import KafkaSettings
+from shared.spark.consumer_pool import close_pooled_consumers
+from shared.spark.kafka_ranges import Range, read_ranges
+from shared.spark.kafka_source import read_range
+from tests.spark.test_spark_kafka_source import create_topic, produce
+
+
+def rows(batches: Any) -> list[tuple[str, int, int, bytes]]:
+    assert not isinstance(batches, Exception), batches
+    return [(r["topic"], r["partition"], r["offset"], r["value"]) for b in batches for r in b.to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def topics(stack: EmbeddedStack) -> Iterator[tuple[KafkaSettings, str, str]]:
+    run = uuid.uuid4().hex[:10]
+    a, b = f"ranges-a-{run}", f"ranges-b-{run}"
+    create_topic(stack.bootstrap_servers, a, 3)
+    create_topic(stack.bootstrap_servers, b, 1)
+    produce(stack.bootstrap_servers, a, [(p, b"a%d-%03d" % (p, i)) for i in range(200) for p in range(3)], rounds=4)
+    produce(stack.bootstrap_servers, b, [(0, b"b0-%03d" % i) for i in range(120)], rounds=3)
+    yield KafkaSettings.of(stack.bootstrap_servers), a, b
+    close_pooled_consumers()
+
+
+def test_each_range_gets_exactly_its_records_as_read_range_gives_them(topics: tuple[KafkaSettings, str, str]) -> None:
+    settings, a, b = topics
+    rng = random.Random(11)
+    for _ in range(5):
+        ranges = [Range(a, p, s, min(200, s + rng.choice([1, 5, 60, 200]))) for p in range(3) for s in [rng.randrange(200)]]
+        ranges.append(Range(b, 0, 0, 120))
+        ranges.append(Range(a, 1, 10, 10))  # empty
+        ranges.append(Range(a, 0, 3, 9))  # a partition named twice
+        for values_only in (True, False):
+            got = read_ranges(settings, ranges, batch_size=16, values_only=values_only)
+            assert len(got) == len(ranges)
+            for r, batches in zip(ranges, got, strict=True):
+                want = [(x["topic"], x["partition"], x["offset"], x["value"])
+                        for bt in read_range(settings, r.topic, r.partition, r.start, r.end, values_only=values_only)
+                        for x in bt.to_pylist()]
+                assert rows(batches) == want
+                assert [o for _, _, o, _ in want] == list(range(r.start, r.end))
+                if not values_only and batches:
+                    full = [x for bt in batches for x in bt.to_pylist()]
+                    assert all(x["key"] == b"k" + x["value"] for x in full)
+                    assert all(x["timestamp"] is not None for x in full)
+
+
+def test_skipped_prefixes_are_left_out_and_their_offsets_still_end_the_range(topics: tuple[KafkaSettings, str, str]) -> None:
+    settings, a, b = topics
+    got = read_ranges(settings, [Range(a, 2, 0, 50), Range(b, 0, 0, 50)], skip_prefixes={a: b"a2-00"}, values_only=True)
+    assert [o for _, _, o, _ in rows(got[0])] == list(range(10, 50))
+    assert [o for _, _, o, _ in rows(got[1])] == list(range(50))
+
+
+def test_a_range_that_never_fills_fails_alone(topics: tuple[KafkaSettings, str, str]) -> None:
+    """A range past the partition's end times out with its own error; the ranges read with it
+    still get every record."""
+    settings, a, b = topics
+    got = read_ranges(settings, [Range(a, 0, 190, 200), Range(b, 0, 100, 500), Range(a, 1, 0, 200)], timeout_s=2.0,
+                      values_only=True)
+    assert [o for _, _, o, _ in rows(got[0])] == list(range(190, 200))
+    assert isinstance(got[1], KafkaTimeoutError)
+    assert "500" in str(got[1]) and "119" in str(got[1])
+    assert [o for _, _, o, _ in rows(got[2])] == list(range(200))
+
+
+def test_a_partition_paused_past_its_range_is_read_again_by_the_next_call(topics: tuple[KafkaSettings, str, str]) -> None:
+    """A range far below its partition's end is paused once read (the consumer would fetch on
+    while the others are read); the pooled consumer reads that partition again at the next call."""
+    settings, a, b = topics
+    close_pooled_consumers()
+    for k in range(4):
+        got = read_ranges(settings, [Range(a, 0, 5 * k, 5 * k + 5), Range(a, 1, 0, 200), Range(b, 0, 0, 120)],
+                          timeout_s=5.0, values_only=True, batch_size=7)
+        assert [o for _, _, o, _ in rows(got[0])] == list(range(5 * k, 5 * k + 5))
+        assert [o for _, _, o, _ in rows(got[1])] == list(range(200))
+        assert [o for _, _, o, _ in rows(got[2])] == list(range(120))
