@@ -18,7 +18,7 @@ sink's lost history does not fail another sink's unit.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,3 +265,47 @@ def _flush(s: _Reading, schema: pa.Schema, values_only: bool) -> None:
                 pa.array(np.full(n, r.partition, dtype=np.int32)), pa.array(s.offs, pa.int64()), ts, headers]
     s.batches.append(pa.RecordBatch.from_arrays(cols, schema=schema))
     s.offs, s.vals, s.keys, s.tss, s.hdrs = [], [], [], [], []
+
+
+#: A task of several ranges reads them together in waves of at most this many records (a
+#: range above it is read alone, streamed): a wave's records are held until it is read.
+WAVE_RECORDS = 200_000
+
+
+def read_in_waves(options: Any, ranges: Sequence[Any], values_only: bool,
+                  read_one: Callable[[Any], Iterator[pa.RecordBatch]]) -> Iterator[pa.RecordBatch]:
+    """A task's ranges (:class:`shared.spark.kafka_source.KafkaInputPartition`, with the source's
+    ``options``) in their order, the small ones read together by :func:`read_ranges`, a large
+    one or one with lost history by ``read_one``; the first range that fails fails the task."""
+
+    def together(wave: list[Any]) -> Iterator[pa.RecordBatch]:
+        if len(wave) == 1:
+            yield from read_one(wave[0])
+            return
+        got = read_ranges(options.settings, [Range(r.topic, r.partition, r.start, r.end) for r in wave],
+                          batch_size=options.records_per_arrow_batch, fail_on_data_loss=options.fail_on_data_loss,
+                          timeout_s=options.timeout_s,
+                          skip_prefixes={t: p for t in {r.topic for r in wave} if (p := options.skip_prefix(t)) is not None},
+                          values_only=values_only)
+        for g in got:
+            if isinstance(g, Exception):
+                raise g
+            yield from g
+
+    wave: list[Any] = []
+    size = 0
+    for r in ranges:
+        n = r.end - r.start
+        if getattr(r, "lost_from", None) is not None or n > WAVE_RECORDS:
+            if wave:
+                yield from together(wave)
+            wave, size = [], 0
+            yield from read_one(r)
+            continue
+        if wave and size + n > WAVE_RECORDS:
+            yield from together(wave)
+            wave, size = [], 0
+        wave.append(r)
+        size += n
+    if wave:
+        yield from together(wave)

@@ -62,7 +62,6 @@ for a record without headers; ``timestamp`` is null when the broker gives none).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -499,7 +498,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         settle()
         if isinstance(partition, KafkaRangesPartition):
-            return itertools.chain.from_iterable(self._read_one(r) for r in partition.ranges)
+            from shared.spark.kafka_ranges import read_in_waves
+
+            return read_in_waves(self.options, partition.ranges, self.values_only, self._read_one)
         assert isinstance(partition, KafkaInputPartition)
         return self._read_one(partition)
 

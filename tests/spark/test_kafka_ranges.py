@@ -90,3 +90,29 @@ def test_a_partition_paused_past_its_range_is_read_again_by_the_next_call(topics
         assert [o for _, _, o, _ in rows(got[0])] == list(range(5 * k, 5 * k + 5))
         assert [o for _, _, o, _ in rows(got[1])] == list(range(200))
         assert [o for _, _, o, _ in rows(got[2])] == list(range(120))
+
+
+def test_a_task_of_many_ranges_reads_them_in_waves_in_order(topics: tuple[KafkaSettings, str, str], monkeypatch: Any) -> None:
+    """The source's task of several ranges: small ones together, in waves of at most
+    WAVE_RECORDS records, a large one or one with lost history by the single-range reader,
+    batches in the ranges' order; the first range that fails fails the task."""
+    import shared.spark.kafka_ranges as kr
+    from shared.spark.kafka_source import KafkaInputPartition, SourceOptions
+
+    settings, a, b = topics
+    monkeypatch.setattr(kr, "WAVE_RECORDS", 100)
+    opts = SourceOptions.parse({"topics": f"{a},{b}", **settings.to_options(), "timeoutSeconds": "3"})
+    ranges = [KafkaInputPartition(a, 0, 0, 40), KafkaInputPartition(a, 1, 0, 40), KafkaInputPartition(a, 2, 0, 150),
+              KafkaInputPartition(b, 0, 0, 50), KafkaInputPartition(a, 0, 40, 100), KafkaInputPartition(a, 1, 60, 70, lost_from=40)]
+    alone: list[tuple[str, int, int]] = []
+
+    def read_one(r: Any) -> Any:
+        alone.append((r.topic, r.partition, r.start))
+        return read_range(settings, r.topic, r.partition, r.start, r.end, values_only=True)
+
+    got = [(x["topic"], x["partition"], x["offset"]) for bt in kr.read_in_waves(opts, ranges, True, read_one) for x in bt.to_pylist()]
+    assert got == [(r.topic, r.partition, o) for r in ranges for o in range(r.start, r.end)]
+    # the first two together; large; waves of one (the next would pass the limit); lost history
+    assert alone == [(a, 2, 0), (b, 0, 0), (a, 0, 40), (a, 1, 60)]
+    with pytest.raises(KafkaTimeoutError):
+        list(kr.read_in_waves(opts, [KafkaInputPartition(a, 0, 0, 10), KafkaInputPartition(b, 0, 100, 130)], True, read_one))
