@@ -26,6 +26,8 @@ Invariants (from the seeds, kept by the class below and tested in
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -99,6 +101,17 @@ AppendOutcome = Union[Committed, UpperMismatch]
 
 # -- state ----------------------------------------------------------------------------------
 
+#: Descriptions an appender remembers (seen, and appended with their handles' digests). The
+#: state is checkpointed with every micro-batch of its query (every sink's, in a shared
+#: query), so the window is its size. It is safe at any size: the window of appended
+#: descriptions always covers that of the descriptions seen (an appended description was seen
+#: first, and every append is of a description seen), and a report whose description is no
+#: longer remembered is neither appended nor deleted (its parts are left to the collector of
+#: unreferenced objects). A report comes that late only from a writer more than this many
+#: appends of its sink behind.
+REMEMBER = 256
+
+
 
 @dataclass(slots=True)
 class _AtLower:
@@ -120,7 +133,7 @@ class AppendState:
     :meth:`on_append_result` before absorbing anything else.
     """
 
-    def __init__(self, sink_id: str, worker: int = 0, *, remember: int = 4096) -> None:
+    def __init__(self, sink_id: str, worker: int = 0, *, remember: int = REMEMBER) -> None:
         self.sink_id = sink_id
         self.worker = worker
         self.lower = Frontier.minimum()
@@ -130,8 +143,8 @@ class AppendState:
         self._pending_extras: dict[str, list[Any]] = {}
         # Descriptions seen, by token -> (order key, mine?), bounded.
         self._seen: OrderedDict[str, tuple[tuple[int, int], bool]] = OrderedDict()
-        # Appended descriptions, by token -> the staged handles the append committed (a later
-        # report of the same description carries other handles: those are deleted).
+        # Appended descriptions, by token -> digests of the staged handles the append committed
+        # (a later report of the same description carries other handles: those are deleted).
         self._appended: OrderedDict[str, tuple[Any, ...]] = OrderedDict()
         self._remember = remember
         self.known_upper: Frontier | None = None
@@ -233,7 +246,7 @@ class AppendState:
         if isinstance(outcome, Committed):
             self.appends += 1
             self._appended[desc.token] = tuple(
-                r.staged for r in self._at.reports.values() if r.staged is not None
+                _digest(r.staged) for r in self._at.reports.values() if r.staged is not None
             )
             while len(self._appended) > self._remember:
                 self._appended.popitem(last=False)
@@ -286,7 +299,7 @@ class AppendState:
         }
 
     @staticmethod
-    def restore(data: dict[str, Any], *, remember: int = 4096) -> AppendState:
+    def restore(data: dict[str, Any], *, remember: int = REMEMBER) -> AppendState:
         """The inverse of :meth:`checkpoint`."""
         if not isinstance(data, dict) or data.get("v") != 1:
             raise InvalidUsageError(f"expected an append checkpoint of version 1, found {data!r}")
@@ -306,8 +319,10 @@ class AppendState:
             for t, rs in data["pending"].items()
         }
         s._pending_extras = {t: list(x) for t, x in data["pending_extras"].items()}
-        s._seen = OrderedDict((t, ((int(k[0]), int(k[1])), bool(mine))) for t, k, mine in data["seen"])
-        s._appended = OrderedDict((t, tuple(h)) for t, h in data["appended"])
+        # The newest ``remember`` (a checkpoint of a larger window, or of whole handles, is cut
+        # down and digested).
+        s._seen = OrderedDict((t, ((int(k[0]), int(k[1])), bool(mine))) for t, k, mine in data["seen"][-remember:])
+        s._appended = OrderedDict((t, tuple(_digest(x) for x in h)) for t, h in data["appended"][-remember:])
         s.known_upper = frontier(data["known_upper"])
         s.published = frontier(data["published"])
         s.appends = int(data["appends"])
@@ -382,7 +397,7 @@ class AppendState:
         other data objects, never appended, which must not be left behind."""
         committed = self._appended.get(token)
         if committed is not None:
-            staged = [s for s in staged if s not in committed]
+            staged = [s for s in staged if s is None or _digest(s) not in committed]
         return _delete(staged, reason)
 
     def _drop_current(self, reason: str) -> list[AppendAction]:
@@ -433,6 +448,18 @@ class AppendState:
                 "on_append_result first",
                 token=self.in_flight.token,
             )
+
+
+def _digest(handle: Any) -> str:
+    """A short digest of a staged handle (an opaque value: the append state keeps digests of
+    the handles it committed, not the handles); a digest is its own digest."""
+    if isinstance(handle, str) and handle.startswith(_DIGEST):
+        return handle
+    raw = json.dumps(handle, sort_keys=True, default=repr).encode()
+    return _DIGEST + hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+_DIGEST = "b2:"
 
 
 def _delete(staged: list[Any], reason: str) -> list[AppendAction]:

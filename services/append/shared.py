@@ -21,6 +21,7 @@ backoff; the other sinks go on. The sink is named in the log and in :attr:`Share
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -111,13 +112,40 @@ class SharedAppend:
         for key, msgs in saved.get("pending", {}).items():
             self.pending[key] = [(t, None if v is None else base64.b64decode(v)) for t, v in msgs]
 
-    def checkpoint(self) -> dict[str, Any]:
+    def state_texts(self) -> dict[str, str]:
+        """Every member's appender state as JSON text, taken again only for a sink whose state
+        may have changed since: it processed messages, or its state was made or restored. (At
+        a hundred sinks most sinks' states stand still in a micro-batch, and each holds a
+        window of remembered descriptions.)"""
         members = self.fleet.members()
-        return {
-            "sinks": {sink_key(a.sink): a.state.checkpoint() for a in self.registry.values() if sink_key(a.sink) in members},
-            "pending": {k: [[t, None if v is None else base64.b64encode(v).decode()] for t, v in msgs]
-                        for k, msgs in self.pending.items() if k in members},
-        }
+        out: dict[str, str] = {}
+        for a in list(self.registry.values()):
+            key = sink_key(a.sink)
+            if key not in members:
+                continue
+            c = self._texts.get(key)
+            if c is None or c[0] is not a.state or key in self._dirty:
+                c = (a.state, json.dumps(a.state.checkpoint(), sort_keys=True, separators=(",", ":")))
+                self._texts[key] = c
+            out[key] = c[1]
+        self._dirty.clear()
+        for key in [k for k in self._texts if k not in out]:
+            del self._texts[key]
+        return out
+
+    def checkpoint_bytes(self) -> bytes:
+        """The query's driver state (JSON): every member's appender state and the pending
+        messages of failing sinks."""
+        members = self.fleet.members()
+        texts = self.state_texts()
+        pending = json.dumps({k: [[t, None if v is None else base64.b64encode(v).decode()] for t, v in msgs]
+                              for k, msgs in self.pending.items() if k in members}, sort_keys=True, separators=(",", ":"))
+        sinks = ",".join(f"{json.dumps(k)}:{texts[k]}" for k in sorted(texts))
+        return f'{{"pending":{pending},"sinks":{{{sinks}}}}}'.encode()
+
+    def checkpoint(self) -> dict[str, Any]:
+        state: dict[str, Any] = json.loads(self.checkpoint_bytes())
+        return state
 
     def process(self, topics: list[str], values: list[bytes | None]) -> None:
         members = self.fleet.members()
@@ -143,6 +171,7 @@ class SharedAppend:
                 continue
             a = self.appender(key, None)
             if a is not None:
+                self._dirty.add(key)
                 work.append((key, a, msgs))
 
         def run(item: tuple[str, SinkAppender, list[tuple[str, bytes | None]]]) -> Exception | None:
@@ -166,7 +195,8 @@ class SharedAppend:
                 self.failing[key] = (n, now + delay, f"{type(e).__name__}: {e}"[:500])
                 self.pending[key] = msgs
                 # The state may hold half of the micro-batch: take it back to the saved one.
-                a.state = AppendState.restore(self._saved.get(key)) if self._saved.get(key) else AppendState(a.sink.sink_id)
+                saved = self._saved.get(key)
+                a.state = AppendState.restore(json.loads(saved)) if saved else AppendState(a.sink.sink_id)
                 log.error("append failed for this sink (held, retried in %.0fs; the other sinks go on): %s",
                           delay, e, extra={"sink_id": a.sink.sink_id})
                 continue
@@ -177,7 +207,12 @@ class SharedAppend:
             if sink_key(a.sink) not in members:
                 del self.registry[sid]
 
-    _saved: dict[str, Any] = field(default_factory=dict)
+    #: per key: the appender's state as the micro-batch began (JSON text, :meth:`state_texts`)
+    _saved: dict[str, str] = field(default_factory=dict)
+    #: per key: the state object last taken as text, and its text
+    _texts: dict[str, tuple[AppendState, str]] = field(default_factory=dict)
+    #: keys whose state may have changed since its text was taken
+    _dirty: set[str] = field(default_factory=set)
 
     def _look_back(self, members: dict[str, Any]) -> dict[str, list[tuple[str, bytes | None]]]:
         """The messages of sinks new to this query among the last :data:`JOIN_LOOKBACK` records
@@ -247,9 +282,9 @@ def start_shared_append_query(spark: Any, settings: ServiceSettings, fleet: Flee
         keep = [i for i, k in enumerate(table["kind"].to_pylist()) if k == KIND_CONTROL]
         topics = table["topic"].to_pylist()
         values = table["value"].to_pylist()
-        app._saved = {sink_key(a.sink): a.state.checkpoint() for a in registry.values()}
+        app._saved = app.state_texts()
         app.process([topics[i] for i in keep], [values[i] for i in keep])
-        states.save(batch_id, app.checkpoint())
+        states.save(batch_id, app.checkpoint_bytes())
 
     name = f"append-shared-{settings.sink_shard.index}of{settings.sink_shard.count}"
     return (

@@ -161,10 +161,10 @@ class DriverStateLog:
         state: dict[str, Any] = json.loads(data.decode())
         return state
 
-    def save(self, batch_id: int, state: dict[str, Any]) -> None:
-        """Write batch ``batch_id``'s state (before Spark commits the batch), and delete
-        snapshots more than :data:`KEEP` batches older."""
-        data = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+    def save(self, batch_id: int, state: dict[str, Any] | bytes) -> None:
+        """Write batch ``batch_id``'s state (a JSON-able dict, or its JSON), before Spark
+        commits the batch, and delete snapshots more than :data:`KEEP` batches older."""
+        data = state if isinstance(state, bytes) else json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
         self.files.write_atomic(f"{_DIR}/{batch_id}", data)
         for old in self.files.ids(_DIR):
             if old < batch_id - KEEP:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -341,6 +342,37 @@ def test_append_waits_for_every_partition() -> None:
     assert app.lower == Frontier.at(5)
     # A re-delivered report of the committed description is never deleted.
     assert app.absorb_report(BatchReport.for_description(d, 1, "h1")) == []
+
+
+def test_the_remembered_window_is_bounded_and_an_old_checkpoint_is_cut_down_and_digested() -> None:
+    """An appender remembers its last REMEMBER descriptions, appended ones as digests of their
+    handles: a restored checkpoint of the older, larger window of whole handles is cut to the
+    newest and digested; a re-delivered report of a remembered appended description is still
+    never deleted, another report of it still is."""
+    from shared.append_state import REMEMBER
+
+    app = AppendState(SINK, 0)
+    n = REMEMBER + 40
+    for i in range(n):
+        d = desc(i, i + 1, parts=1)
+        app.absorb_description(d)
+        app.absorb_shard_upper(i)
+        r = ready(app.absorb_report(BatchReport.for_description(d, 0, f"h{i}")))
+        assert r is not None and r.staged == (f"h{i}",)
+        app.on_append_result(d, Committed(Frontier.at(i + 1)))
+    cp = app.checkpoint()
+    assert len(cp["seen"]) == len(cp["appended"]) == REMEMBER
+    assert all(re.fullmatch(r"b2:[0-9a-f]{24}", h) for _, hs in cp["appended"] for h in hs)  # digests, not handles
+    # the checkpoint of before: a window of 4096, whole handles
+    old = {**cp, "seen": [[f"{SINK}:1:{i}", [i, 1], True] for i in range(n)],
+           "appended": [[f"{SINK}:1:{i}", [f"h{i}"]] for i in range(n)]}
+    back = AppendState.restore(json.loads(json.dumps(old)))
+    assert back.checkpoint()["appended"] == cp["appended"] and len(back.checkpoint()["seen"]) == REMEMBER
+    last = desc(n - 1, n, parts=1)
+    assert back.absorb_report(BatchReport.for_description(last, 0, f"h{n - 1}")) == []  # the committed one: kept
+    assert deleted(back.absorb_report(BatchReport.for_description(last, 0, "other"))) == ["other"]
+    forgotten = desc(0, 1, parts=1)  # no longer remembered: neither appended nor deleted
+    assert back.absorb_report(BatchReport.for_description(forgotten, 0, "late")) == []
 
 
 def test_reports_may_arrive_before_their_description() -> None:
