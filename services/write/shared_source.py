@@ -333,7 +333,7 @@ class WriteFleetReader(FleetStreamReader):
         (after a history-gap marker where its state is missing, :func:`_unproven_without_state`)
         or the error of its range alone."""
         from shared.spark.kafka_ranges import Range, read_ranges
-        from shared.spark.kafka_source import _with_gap_marker
+        from shared.spark.kafka_source import _arrow_schema, _with_gap_marker
 
         o = self.options
         got: dict[int, list[pa.RecordBatch] | Exception] = {}
@@ -349,7 +349,7 @@ class WriteFleetReader(FleetStreamReader):
                 continue
             head = [next(iter(_with_gap_marker(o, d, d.lost_from, self.values_only)))] if d.lost_from is not None else []
             wanted.append((u, Range(d.topic, d.partition, d.start, d.end), head))
-        read = read_ranges(o.settings, [r for _, r, _ in wanted], batch_size=o.records_per_arrow_batch,
+        read = read_ranges(o.settings, [r for _, r, _ in wanted], schema=_arrow_schema(), batch_size=o.records_per_arrow_batch,
                            fail_on_data_loss=o.fail_on_data_loss, timeout_s=o.timeout_s,
                            skip_prefixes={t: p for t in {r.topic for _, r, _ in wanted} if (p := o.skip_prefix(t)) is not None},
                            values_only=self.values_only)

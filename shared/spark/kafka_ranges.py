@@ -63,17 +63,17 @@ def read_ranges(
     settings: KafkaSettings,
     ranges: Sequence[Range],
     *,
+    schema: pa.Schema,
     batch_size: int = 20_000,
     fail_on_data_loss: bool = True,
     timeout_s: float = 60.0,
     skip_prefixes: Mapping[str, bytes] | None = None,
     values_only: bool = False,
 ) -> list[list[pa.RecordBatch] | Exception]:
-    """Every range's records (or its error), in the order of ``ranges``; the options mean what
-    they mean for :func:`shared.spark.kafka_source.read_range`. A partition named by two
-    ranges is read once per range."""
-    from shared.spark.kafka_source import _arrow_schema
-
+    """Every range's records (or its error), in the order of ``ranges``, as RecordBatches of
+    ``schema`` (the Kafka source's); the options mean what they mean for
+    :func:`shared.spark.kafka_source.read_range`. A partition named by two ranges is read once
+    per range."""
     out: list[list[pa.RecordBatch] | Exception] = [[] for _ in ranges]
     todo: dict[tuple[str, int], int] = {}
     again: list[int] = []
@@ -86,7 +86,6 @@ def read_ranges(
             todo[(r.topic, r.partition)] = i
     if not todo:
         return out
-    schema = _arrow_schema()
     extra = {
         "enable.partition.eof": "true",
         "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
@@ -122,7 +121,7 @@ def read_ranges(
         s = states[tp]
         out[i] = s.error if s.error is not None else s.batches
     if again:
-        rest = read_ranges(settings, [ranges[i] for i in again], batch_size=batch_size, fail_on_data_loss=fail_on_data_loss,
+        rest = read_ranges(settings, [ranges[i] for i in again], schema=schema, batch_size=batch_size, fail_on_data_loss=fail_on_data_loss,
                            timeout_s=timeout_s, skip_prefixes=skip_prefixes, values_only=values_only)
         for i, got in zip(again, rest, strict=True):
             out[i] = got
@@ -166,14 +165,14 @@ def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.
         msgs = consumer.consume(num_messages=want, timeout=0.05)
         if not msgs:
             if time.monotonic() - idle_since > timeout_s:
-                for s in states.values():
-                    if not s.done:
-                        s.error = KafkaTimeoutError(
-                            f"expected records up to offset {s.r.end} of {s.r.topic}/{s.r.partition} within "
-                            f"{timeout_s}s, found the last at {s.next_off - 1}",
-                            topic=s.r.topic, partition=s.r.partition,
+                for w in states.values():
+                    if not w.done:
+                        w.error = KafkaTimeoutError(
+                            f"expected records up to offset {w.r.end} of {w.r.topic}/{w.r.partition} within "
+                            f"{timeout_s}s, found the last at {w.next_off - 1}",
+                            topic=w.r.topic, partition=w.r.partition,
                         )
-                        s.done = True
+                        w.done = True
                 return paused
             continue
         idle_since = time.monotonic()
@@ -229,16 +228,16 @@ def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.
                 finished.append(s)
             elif len(s.offs) >= batch_size:
                 _flush(s, schema, values_only)
-        for s in finished:
+        for f in finished:
             open_ -= 1
-            if s.error is None:
-                _flush(s, schema, values_only)
+            if f.error is None:
+                _flush(f, schema, values_only)
             else:
-                s.batches = []
+                f.batches = []
         if beyond and open_:
             # A partition that holds more than its range would be fetched on while the others
             # are read: paused (a range that ends at the partition's end is not: nothing to fetch).
-            consumer.pause([TopicPartition(s.r.topic, s.r.partition) for s in beyond])
+            consumer.pause([TopicPartition(b.r.topic, b.r.partition) for b in beyond])
             paused = True
     return paused
 
@@ -273,16 +272,16 @@ WAVE_RECORDS = 200_000
 
 
 def read_in_waves(options: Any, ranges: Sequence[Any], values_only: bool,
-                  read_one: Callable[[Any], Iterator[pa.RecordBatch]]) -> Iterator[pa.RecordBatch]:
+                  read_one: Callable[[Any], Iterator[pa.RecordBatch]], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     """A task's ranges (:class:`shared.spark.kafka_source.KafkaInputPartition`, with the source's
-    ``options``) in their order, the small ones read together by :func:`read_ranges`, a large
+    ``options`` and ``schema``) in their order, the small ones read together by :func:`read_ranges`, a large
     one or one with lost history by ``read_one``; the first range that fails fails the task."""
 
     def together(wave: list[Any]) -> Iterator[pa.RecordBatch]:
         if len(wave) == 1:
             yield from read_one(wave[0])
             return
-        got = read_ranges(options.settings, [Range(r.topic, r.partition, r.start, r.end) for r in wave],
+        got = read_ranges(options.settings, [Range(r.topic, r.partition, r.start, r.end) for r in wave], schema=schema,
                           batch_size=options.records_per_arrow_batch, fail_on_data_loss=options.fail_on_data_loss,
                           timeout_s=options.timeout_s,
                           skip_prefixes={t: p for t in {r.topic for r in wave} if (p := options.skip_prefix(t)) is not None},

@@ -500,7 +500,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if isinstance(partition, KafkaRangesPartition):
             from shared.spark.kafka_ranges import read_in_waves
 
-            return read_in_waves(self.options, partition.ranges, self.values_only, self._read_one)
+            return read_in_waves(self.options, partition.ranges, self.values_only, self._read_one, _arrow_schema())
         assert isinstance(partition, KafkaInputPartition)
         return self._read_one(partition)
 

@@ -16,8 +16,11 @@ from shared.errors import KafkaTimeoutError
 from shared.io.kafka import KafkaSettings
 from shared.spark.consumer_pool import close_pooled_consumers
 from shared.spark.kafka_ranges import Range, read_ranges
-from shared.spark.kafka_source import read_range
+from shared.spark.kafka_source import _arrow_schema, read_range
 from tests.spark.test_spark_kafka_source import create_topic, produce
+
+
+SCHEMA = _arrow_schema()
 
 
 def rows(batches: Any) -> list[tuple[str, int, int, bytes]]:
@@ -46,7 +49,7 @@ def test_each_range_gets_exactly_its_records_as_read_range_gives_them(topics: tu
         ranges.append(Range(a, 1, 10, 10))  # empty
         ranges.append(Range(a, 0, 3, 9))  # a partition named twice
         for values_only in (True, False):
-            got = read_ranges(settings, ranges, batch_size=16, values_only=values_only)
+            got = read_ranges(settings, schema=SCHEMA, ranges=ranges, batch_size=16, values_only=values_only)
             assert len(got) == len(ranges)
             for r, batches in zip(ranges, got, strict=True):
                 want = [(x["topic"], x["partition"], x["offset"], x["value"])
@@ -62,7 +65,7 @@ def test_each_range_gets_exactly_its_records_as_read_range_gives_them(topics: tu
 
 def test_skipped_prefixes_are_left_out_and_their_offsets_still_end_the_range(topics: tuple[KafkaSettings, str, str]) -> None:
     settings, a, b = topics
-    got = read_ranges(settings, [Range(a, 2, 0, 50), Range(b, 0, 0, 50)], skip_prefixes={a: b"a2-00"}, values_only=True)
+    got = read_ranges(settings, schema=SCHEMA, ranges=[Range(a, 2, 0, 50), Range(b, 0, 0, 50)], skip_prefixes={a: b"a2-00"}, values_only=True)
     assert [o for _, _, o, _ in rows(got[0])] == list(range(10, 50))
     assert [o for _, _, o, _ in rows(got[1])] == list(range(50))
 
@@ -71,7 +74,7 @@ def test_a_range_that_never_fills_fails_alone(topics: tuple[KafkaSettings, str, 
     """A range past the partition's end times out with its own error; the ranges read with it
     still get every record."""
     settings, a, b = topics
-    got = read_ranges(settings, [Range(a, 0, 190, 200), Range(b, 0, 100, 500), Range(a, 1, 0, 200)], timeout_s=2.0,
+    got = read_ranges(settings, schema=SCHEMA, ranges=[Range(a, 0, 190, 200), Range(b, 0, 100, 500), Range(a, 1, 0, 200)], timeout_s=2.0,
                       values_only=True)
     assert [o for _, _, o, _ in rows(got[0])] == list(range(190, 200))
     assert isinstance(got[1], KafkaTimeoutError)
@@ -85,7 +88,7 @@ def test_a_partition_paused_past_its_range_is_read_again_by_the_next_call(topics
     settings, a, b = topics
     close_pooled_consumers()
     for k in range(4):
-        got = read_ranges(settings, [Range(a, 0, 5 * k, 5 * k + 5), Range(a, 1, 0, 200), Range(b, 0, 0, 120)],
+        got = read_ranges(settings, schema=SCHEMA, ranges=[Range(a, 0, 5 * k, 5 * k + 5), Range(a, 1, 0, 200), Range(b, 0, 0, 120)],
                           timeout_s=5.0, values_only=True, batch_size=7)
         assert [o for _, _, o, _ in rows(got[0])] == list(range(5 * k, 5 * k + 5))
         assert [o for _, _, o, _ in rows(got[1])] == list(range(200))
@@ -110,9 +113,9 @@ def test_a_task_of_many_ranges_reads_them_in_waves_in_order(topics: tuple[KafkaS
         alone.append((r.topic, r.partition, r.start))
         return read_range(settings, r.topic, r.partition, r.start, r.end, values_only=True)
 
-    got = [(x["topic"], x["partition"], x["offset"]) for bt in kr.read_in_waves(opts, ranges, True, read_one) for x in bt.to_pylist()]
+    got = [(x["topic"], x["partition"], x["offset"]) for bt in kr.read_in_waves(opts, ranges, True, read_one, SCHEMA) for x in bt.to_pylist()]
     assert got == [(r.topic, r.partition, o) for r in ranges for o in range(r.start, r.end)]
     # the first two together; large; waves of one (the next would pass the limit); lost history
     assert alone == [(a, 2, 0), (b, 0, 0), (a, 0, 40), (a, 1, 60)]
     with pytest.raises(KafkaTimeoutError):
-        list(kr.read_in_waves(opts, [KafkaInputPartition(a, 0, 0, 10), KafkaInputPartition(b, 0, 100, 130)], True, read_one))
+        list(kr.read_in_waves(opts, [KafkaInputPartition(a, 0, 0, 10), KafkaInputPartition(b, 0, 100, 130)], True, read_one, SCHEMA))
