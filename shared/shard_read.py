@@ -7,7 +7,8 @@ Every read takes one shape:
 2. the batches of that state visible at the time asked, and their parts;
 3. the parts fetched and decoded concurrently, each read as the schema the caller sees
    (:func:`read_parts`, :func:`shared.shard_format.conform_part`);
-4. rows filtered on ``_time``, then consolidated (:func:`shared.shard_merge.consolidate`).
+4. rows filtered on ``_time``, then consolidated (:func:`shared.shard_merge.consolidate`; the
+   read API's snapshot in row order: :func:`shared.shard_sort.consolidate_in_row_order`).
 
 The functions are handed the shard handle as a :class:`ShardHandle`: what they need of
 :class:`shared.shard.Shard` (its head, its schema views, its store), which calls them.
@@ -15,6 +16,7 @@ The functions are handed the shard handle as a :class:`ShardHandle`: what they n
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +45,7 @@ from shared.shard_format import (
     schema_view,
 )
 from shared.shard_merge import consolidate
+from shared.shard_sort import consolidate_in_row_order, sorted_by_row
 from shared.state import ShardState
 
 
@@ -143,12 +146,13 @@ def read_parts_as_written(
         return list(ex.map(one, keys))
 
 
-def wait_readable(shard: ShardHandle, as_of: int, timeout_s: float) -> ShardState:
+def wait_readable(shard: ShardHandle, as_of: int, timeout_s: float, *, head: ShardState | None = None) -> ShardState:
     """The head once ``since <= as_of < upper``: polls (every 20 ms) up to ``timeout_s`` for
     the upper to pass ``as_of``, then NotReadableYetError. A dropped shard is a
-    ShardDroppedError, ``as_of`` below since a SinceViolationError."""
+    ShardDroppedError, ``as_of`` below since a SinceViolationError. ``head``: a head the
+    caller has just refreshed, looked at first instead of refreshing again."""
     deadline = time.monotonic() + timeout_s
-    state = shard.refresh()
+    state = head if head is not None else shard.refresh()
     while True:
         if state.dropped:
             raise ShardDroppedError(f"expected a live shard, found {shard.shard_id!r} dropped")
@@ -172,10 +176,16 @@ def wait_readable(shard: ShardHandle, as_of: int, timeout_s: float) -> ShardStat
         state = shard.refresh()
 
 
-def snapshot(shard: ShardHandle, as_of: int, *, timeout_s: float = 0.0) -> pa.Table:
+def snapshot(
+    shard: ShardHandle, as_of: int, *, timeout_s: float = 0.0, in_row_order: bool = False, head: ShardState | None = None
+) -> pa.Table:
     """Consolidated contents at ``as_of`` (row columns, ``_error``, ``_diff``) in the schema of
-    the state read."""
-    state = wait_readable(shard, as_of, timeout_s)
+    the state read. ``in_row_order`` (the read API's snapshot): sorted by row, where Arrow can
+    order the row columns' types (:func:`shared.shard_sort.consolidate_in_row_order`, which
+    sorts first and consolidates the neighbours; else consolidated by hash, then sorted as
+    :func:`shared.shard_sort.sorted_by_row` can); else in the order of the groups' first rows.
+    ``head``: as :func:`wait_readable`'s."""
+    state = wait_readable(shard, as_of, timeout_s, head=head)
     # Times only ever advance (to since <= as_of), so a batch whose lower is beyond
     # as_of holds nothing visible at as_of.
     visible = [b for b in state.batches if b.lower.beyond(as_of)]
@@ -185,7 +195,17 @@ def snapshot(shard: ShardHandle, as_of: int, *, timeout_s: float = 0.0) -> pa.Ta
     # time is at or before as_of and the filter has nothing to drop.
     if table.num_rows and not all(b.upper.less_equal(Frontier.at(as_of + 1)) for b in visible):
         table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
+    if in_row_order:
+        ordered = consolidate_in_row_order(table, view.row_columns, threads=_threads())
+        if ordered is not None:
+            return ordered
+        return sorted_by_row(consolidate(table, [*view.row_columns, ERROR]), view.row_columns)
     return consolidate(table, [*view.row_columns, ERROR])
+
+
+def _threads() -> int:
+    """Threads of a snapshot's CPU work (its take): up to 4, no more than the cores."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def updates_between(shard: ShardHandle, state: ShardState, lower: int, upper: Frontier) -> pa.Table:

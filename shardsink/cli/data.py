@@ -297,7 +297,7 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
     asks for all of them and applies the limit itself after sorting."""
 
     from shared.avro_arrow import rows_to_arrow
-    from shared.io.client import _sorted_by_row
+    from shared.shard_sort import sorted_by_row
 
     if limit is not None and limit < 0:
         raise InvalidUsageError(f"expected --limit >= 0, found {limit}")
@@ -313,7 +313,7 @@ def peek_table(session: ControllerSession, collection_id: str, *, as_of: int | N
     else:
         table = _stored_rows(session.settings, res)
         table = table.rename_columns(["count" if c == "_diff" else c for c in table.column_names])
-    table = _sorted_by_row(table, [f["name"] for f in codec.schema.get("fields", [])])
+    table = sorted_by_row(table, [f["name"] for f in codec.schema.get("fields", [])])
     table = table.cast(_peek_schema(table.schema, codec.schema))
     total = table.num_rows
     if limit is not None:

@@ -48,11 +48,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shared import shard_read
 from shared.avro_arrow import arrow_to_rows
 from shared.errors import InvalidUsageError, SinceViolationError
 from shared.frontier import Frontier
 from shared.shard import DIFF, ERROR, TIME, Shard
-from shared.state import LEASED
+from shared.shard_sort import sorted_by_row as _sorted_by_row
+from shared.state import LEASED, ShardState
 
 __all__ = ["Change", "Collection", "ErrorRow", "Progress", "Subscription", "open_collection"]
 
@@ -101,15 +103,11 @@ def _store_of(settings: Any) -> Any:
     )
 
 
-def _sorted_by_row(table: pa.Table, row_columns: list[str]) -> pa.Table:
-    """``table`` in row order (column by column, nulls last); as it is when Arrow cannot order
-    a row column's type (lists, maps, structs)."""
-    if table.num_rows < 2:
-        return table
-    try:
-        return table.sort_by([(c, "ascending") for c in row_columns])
-    except (pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowInvalid):
-        return table
+def _latest(st: ShardState) -> int:
+    """The latest readable time of a state: its upper - 1."""
+    if st.upper.is_empty():
+        return (1 << 64) - 1  # closed: every time is final, the largest one sees everything
+    return max((st.upper.time or 0) - 1, 0)
 
 
 def open_collection(collection_id: str, settings: Any = None) -> Collection:
@@ -149,12 +147,14 @@ class Collection:
         """The contents at ``as_of`` (default: the latest readable time, upper - 1),
         consolidated: the row columns and ``_diff`` (the row's count), sorted by row (where
         Arrow can order the row columns' types)."""
+        head = None
         if as_of is None:
-            as_of = self._latest()
-        table = _sorted_by_row(self.shard.snapshot(int(as_of), timeout_s=timeout_s), self.shard.row_columns)
+            head = self.shard.refresh()  # the latest readable time, and the state read at it
+            as_of = _latest(head)
+        table = shard_read.snapshot(self.shard, int(as_of), timeout_s=timeout_s, in_row_order=True, head=head)
         if include_errors:
             return table
-        if table.num_rows:
+        if table[ERROR].null_count < table.num_rows:  # error rows to leave out (a filter copies every row)
             table = table.filter(pc.is_null(table[ERROR]))
         return table.select([*self.shard.row_columns, DIFF])
 
@@ -170,12 +170,6 @@ class Collection:
         the module docstring). ``idle_timeout_s``: end the iteration (without a final
         progress) when the upper has not moved for that long."""
         return Subscription(self.shard, as_of, up_to, lease_ms=lease_ms, poll_s=poll_s, idle_timeout_s=idle_timeout_s)
-
-    def _latest(self) -> int:
-        st = self.shard.refresh()
-        if st.upper.is_empty():
-            return (1 << 64) - 1  # closed: every time is final, the largest one sees everything
-        return max((st.upper.time or 0) - 1, 0)
 
 
 class Subscription:

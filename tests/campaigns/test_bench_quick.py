@@ -31,7 +31,8 @@ FIGURES = {
                    "recovery_s", "correction_peak_ratio",
                    # the delta-rs peer on the same topic and S3 server (issue 31)
                    "sink_vs_deltalake", "freshness_vs_deltalake", "snapshot_1m_vs_deltalake",
-                   "deltalake_updates_per_s", "deltalake_freshness_p50_s"],
+                   "deltalake_updates_per_s", "deltalake_freshness_p50_s", "deltalake_read_1m_s",
+                   "deltalake_snapshot_1m_s"],
     "bench-controller": ["peek_1m_rows_s", "subscribe_lag_p50_s", "subscribe_lag_p99_s", "compaction_mb_per_s",
                          "compaction_cpu_bound_mb_per_s", "spark_read_1m_rows_s",
                          # the peers on the same merged parts (issue 31)
