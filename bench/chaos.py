@@ -30,6 +30,14 @@ What runs (all on one embedded stack, Tansu + moto):
   why (``loss_unavailable``, ``network_faults_skipped``). The checker reads S3 directly; the
   workload's producer reaches the broker through its proxy too (the broker advertises one
   address), so a Kafka partition holds it as well.
+- with ``--cluster``: the services (combined layout) run on a Spark standalone cluster (a
+  master and two workers of one core each, from the pyspark wheel) in client mode, their driver
+  binding 127.0.0.1 and advertising 127.0.0.2, where fault proxies forward to it
+  (``DriverFaultPath``, shared/devstack/embedded.py), so every connection of the executors to
+  the driver goes through them; the network faults then begin with a partition and a black
+  hole of that path (``driver``), and each fault's record says how many executors the workers
+  launched meanwhile (an executor whose connection to the driver is reset exits; the master
+  launches another). The executors reach the broker and S3 through the stack's proxies too.
 
 The history checker records every shard state object (``shards/<id>/state/<n>``) as the run
 goes (the services run with a 1-day GC grace so none disappears), and every message of the
@@ -51,6 +59,7 @@ run could not finish, e.g. the sink never converged).
     python bench/chaos.py              # full: >= 100 kills, 30 network faults (about 40 minutes on 2 cores)
     python bench/chaos.py --quick      # a few kills and 3 network faults, combined layout (a few minutes)
     python bench/chaos.py --kills 0 --network-faults 30   # the network faults alone
+    python bench/chaos.py --quick --cluster    # on a standalone cluster, driver-executor faults first
 """
 
 from __future__ import annotations
@@ -82,6 +91,9 @@ STEP_TIMES = 10
 NETWORK_FAULTS = (("partition", "s3"), ("partition", "kafka"), ("blackhole", "kafka"), ("blackhole", "s3"),
                   ("latency", "s3"), ("latency", "kafka"), ("loss", "s3"), ("loss", "kafka"),
                   ("partition", "both"), ("loss", "both"))
+#: With ``--cluster``, before those: the path between the services' driver and the cluster's
+#: executors, partitioned and black-holed.
+DRIVER_NETWORK_FAULTS = (("partition", "driver"), ("blackhole", "driver"))
 #: Network faults of a full campaign and of a quick one.
 FULL_NETWORK_FAULTS, QUICK_NETWORK_FAULTS = 30, 3
 #: A latency fault's delay per chunk, and its jitter (ms).
@@ -188,17 +200,19 @@ class Workload:
             return self.frontier
 
 
-def network_kinds(n: int) -> list[tuple[str, str]]:
-    """The ``(fault, path)`` of ``n`` network faults: :data:`NETWORK_FAULTS` in turn."""
-    return [NETWORK_FAULTS[i % len(NETWORK_FAULTS)] for i in range(n)]
+def network_kinds(n: int, cluster: bool = False) -> list[tuple[str, str]]:
+    """The ``(fault, path)`` of ``n`` network faults: :data:`NETWORK_FAULTS` in turn, after
+    :data:`DRIVER_NETWORK_FAULTS` on a cluster."""
+    kinds = (DRIVER_NETWORK_FAULTS if cluster else ()) + NETWORK_FAULTS
+    return [kinds[i % len(kinds)] for i in range(n)]
 
 
-def network_plan(n: int, quick: bool, rng: random.Random) -> list[tuple[str, str, float]]:
+def network_plan(n: int, quick: bool, rng: random.Random, cluster: bool = False) -> list[tuple[str, str, float]]:
     """``n`` network faults ``(fault, path, seconds)``: :func:`network_kinds`, 10 s each (8 s
     for a black hole) in a quick run; in a full one a partition lasts
     :data:`FULL_PARTITION_S`, any other fault 5-20 s at random."""
     plan = []
-    for fault, path in network_kinds(n):
+    for fault, path in network_kinds(n, cluster):
         if quick:
             seconds = 8.0 if fault == "blackhole" else 10.0
         else:
@@ -325,35 +339,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", help="logs and checkpoints (default a new /tmp dir)")
     ap.add_argument("--trigger-ms", type=int, default=500, help="micro-batch trigger of the services (SHARDSINK_TRIGGER_MS; default 500)")
     ap.add_argument("--network-faults", type=int, help=f"network faults after the kills (default {FULL_NETWORK_FAULTS}, quick {QUICK_NETWORK_FAULTS}; 0: none, and no proxies)")
+    ap.add_argument("--cluster", action="store_true", help="the services on a Spark standalone cluster (2 workers x 1 core), their driver behind fault proxies; the network faults begin with the driver-executor path's (combined layout only)")
     args = ap.parse_args(argv)
+    if args.cluster and args.layout == "separate":
+        ap.error("--cluster runs the combined layout (one application on the cluster's two cores)")
     # SIGTERM (e.g. a timeout) unwinds like an exception: the services and the stack are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kills_wanted = args.kills if args.kills is not None else (4 if args.quick else 100)
-    layout = args.layout or ("combined" if args.quick else "separate")
+    layout = args.layout or ("combined" if args.quick or args.cluster else "separate")
     switch_after = args.switch_after if args.switch_after is not None else max(1, kills_wanted // 3)
     per_step = 40 if args.quick else 100
     net_wanted = args.network_faults if args.network_faults is not None else (QUICK_NETWORK_FAULTS if args.quick else FULL_NETWORK_FAULTS)
-    loss_planned = any(fault == "loss" for fault, _ in network_kinds(net_wanted))
+    loss_planned = any(fault == "loss" for fault, _ in network_kinds(net_wanted, args.cluster))
     work = Path(args.work_dir or f"/tmp/shardsink-chaos-{uuid.uuid4().hex[:8]}")
     (work / "logs").mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    log(f"seed {args.seed}, {kills_wanted} kills, {net_wanted} network faults, layout {layout}, faults {args.faults!r}, work dir {work}")
+    log(f"seed {args.seed}, {kills_wanted} kills, {net_wanted} network faults, layout {layout}"
+        f"{' on a standalone cluster' if args.cluster else ''}, faults {args.faults!r}, work dir {work}")
 
     from shardsink.cli.catalog import create_collection
     from services.runtime.settings import ServiceSettings
     from shared.io.controller_client import ControllerClient
     from services.runner import ensure_control_topics
     from shared.catalog import SinkDef
-    from shared.devstack.embedded import EmbeddedStack
+    from shared.devstack.embedded import DriverFaultPath, EmbeddedStack, SparkStandalone
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic
     from shared.shard import Shard
     from tests.controller_fixture import SCHEMA, check_progress_order, changes_of, read_subscribe
 
-    summary: dict[str, Any] = {"seed": args.seed, "layout": layout, "faults": args.faults, "quick": args.quick}
+    summary: dict[str, Any] = {"seed": args.seed, "layout": layout, "faults": args.faults, "quick": args.quick,
+                               "cluster": args.cluster}
     divergences: list[str] = []
     t_run = time.monotonic()
-    with EmbeddedStack(net_faults=net_wanted > 0, net_loss=loss_planned) as stack:
+    with EmbeddedStack(net_faults=net_wanted > 0, net_loss=loss_planned) as stack, contextlib.ExitStack() as on_cluster:
+        cluster = driver_path = None
+        if args.cluster:
+            cluster = on_cluster.enter_context(SparkStandalone(workers=2, cores=1, log_dir=work / "logs" / "spark"))
+            driver_path = on_cluster.enter_context(DriverFaultPath())
+            log(f"standalone cluster at {cluster.master_url}; the driver advertises {driver_path.host}")
         run = uuid.uuid4().hex[:6]
         if stack.loss_unavailable:
             log(f"loss faults not possible here, they are skipped: {stack.loss_unavailable}")
@@ -390,9 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         ctl_argv = [sys.executable, "-m", "services.controller", "--commands-topic", commands, "--responses-topic", responses]
         services: dict[str, Service] = {"controller": Service("controller", ctl_argv, svc_env, work / "logs")}
         names = ("mint", "write", "append") if layout == "separate" else ("services",)
+        on_cluster_env: dict[str, str] = {}
+        if cluster is not None and driver_path is not None:
+            on_cluster_env = {"SHARDSINK_SPARK_MASTER": cluster.master_url,
+                              "PYSPARK_SUBMIT_ARGS": driver_path.submit_args(svc_env["PYSPARK_SUBMIT_ARGS"])}
         for name in names:
             mod = "services" if name == "services" else f"services.{name}"
-            services[name] = Service(name, [sys.executable, "-m", mod], svc_env, work / "logs")
+            services[name] = Service(name, [sys.executable, "-m", mod], {**svc_env, **on_cluster_env}, work / "logs")
         victims_pool = list(services)
 
         shard = Shard.open(clean.store(), collection)
@@ -434,12 +462,17 @@ def main(argv: list[str] | None = None) -> int:
             return True
 
         def network_fault(fault: str, path: str, seconds: float) -> dict[str, Any]:
-            """Inflict ``fault`` on the path to ``path`` (``s3``, ``kafka`` or ``both``) for
+            """Inflict ``fault`` on the path to ``path`` (``s3``, ``kafka``, ``both``, or
+            ``driver``: between the services' driver and the cluster's executors) for
             ``seconds``, heal it, and time the sink's resumption: from the heal to the first
             upper beyond the one at the heal."""
-            proxies = {"s3": [stack.s3_proxy], "kafka": [stack.kafka_proxy],
-                       "both": [stack.s3_proxy, stack.kafka_proxy]}[path]
+            by_path: dict[str, list[Any]] = {"s3": [stack.s3_proxy], "kafka": [stack.kafka_proxy],
+                                         "both": [stack.s3_proxy, stack.kafka_proxy],
+                                         "driver": driver_path.proxies if driver_path is not None else []}
+            proxies = by_path[path]
             exits_before = sum(restarts_by_self.values())
+            resets_before = sum(p.counters.resets for p in proxies if p is not None)
+            launched_before = len(cluster.executor_dirs()) if cluster is not None else 0
             dropped_before = [p.loss_counters() for p in proxies if p is not None]
             t0 = time.monotonic()
             for proxy in proxies:
@@ -466,7 +499,10 @@ def main(argv: list[str] | None = None) -> int:
             rec: dict[str, Any] = {
                 "fault": fault, "path": path, "seconds": round(t_heal - t0, 1), "upper_at_heal": at_heal,
                 "heal_to_upper_s": round(max(0.0, moved - t_heal), 2),
-                "exits": sum(restarts_by_self.values()) - exits_before}
+                "exits": sum(restarts_by_self.values()) - exits_before,
+                "connections_reset": sum(p.counters.resets for p in proxies if p is not None) - resets_before}
+            if cluster is not None:  # executors the workers launched since the fault began
+                rec["executors_launched"] = len(cluster.executor_dirs()) - launched_before
             if fault == "loss":  # the packets the dropper saw and lost meanwhile, both ways
                 after = [p.loss_counters() for p in proxies if p is not None]
                 rec["packets_dropped"] = sum(a.out_dropped + a.in_dropped - b.out_dropped - b.in_dropped
@@ -525,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             if switched_at is None:
                 catalog.allow_writes(sink_b)
                 switched_at = recorder.upper()
-            for j, (fault, path, seconds) in enumerate(network_plan(net_wanted, args.quick, rng)):
+            for j, (fault, path, seconds) in enumerate(network_plan(net_wanted, args.quick, rng, args.cluster)):
                 if fault == "loss" and stack.loss_unavailable:
                     net_skipped.append({"fault": fault, "path": path, "reason": stack.loss_unavailable})
                     continue
@@ -593,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_unavailable=stack.loss_unavailable if loss_planned else None,
             heal_to_upper_p50_s=round(statistics.median(heals), 2) if heals else None,
             heal_to_upper_max_s=heals[-1] if heals else None,
+            executors_launched=len(cluster.executor_dirs()) if cluster is not None else None,
             kills=len(kills),
             kills_by_service=dict(Counter(k["victim"] for k in kills)),
             exits_by_service=dict(restarts_by_self),

@@ -463,6 +463,15 @@ class SparkStandalone:
                 pids.append(int(pid))
         return pids
 
+    def executor_dirs(self) -> list[Path]:
+        """The work directory of every executor the workers launched so far, running or not
+        (``worker-N/<app id>/<executor id>``, each holding the executor's ``stdout`` and
+        ``stderr``), by application, then executor id."""
+        if not self._tmp:
+            return []
+        dirs = [d for d in Path(self._tmp).glob("worker-*/app-*/*") if d.name.isdigit()]
+        return sorted(dirs, key=lambda d: (d.parent.name, int(d.name)))
+
     def stop(self) -> None:
         procs, self._procs = self._procs, []
         for p in reversed(procs):
@@ -479,6 +488,113 @@ class SparkStandalone:
             self._tmp = None
 
     def __enter__(self) -> SparkStandalone:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- the path from a cluster's executors to a client-mode driver, through fault proxies ---------
+
+#: The loopback address a driver behind a :class:`DriverFaultPath` advertises (the proxies
+#: listen there); the driver itself binds 127.0.0.1.
+DRIVER_PROXY_HOST = "127.0.0.2"
+
+
+def _free_on_both(port: int, hosts: tuple[str, ...]) -> bool:
+    return not any(port_in_use(port, host) for host in hosts)
+
+
+@dataclass
+class DriverFaultPath:
+    """Every connection from a standalone cluster's executors to one client-mode driver,
+    through two fault proxies (:class:`shared.devstack.netfault.FaultProxy`): the driver binds
+    127.0.0.1 on two fixed ports (its RPC endpoint and its block manager) and advertises
+    :data:`DRIVER_PROXY_HOST` on the same ports, where the proxies listen and forward to it::
+
+        with DriverFaultPath() as path:
+            env["PYSPARK_SUBMIT_ARGS"] = path.submit_args()   # the driver's Spark options
+            ...                                                # the application runs
+            path.partition()   # executors' connections reset, new ones refused
+            path.heal()
+
+    Executors connect to the driver (Spark's executors have no RPC server of their own: the
+    driver talks to them over the connections they opened), so a partition cuts the driver
+    from every executor. The master talks to the driver over the driver's own connection to it
+    (never through the proxies), and the driver reaches the executors' block managers directly
+    (a task result above ``spark.task.maxDirectResultSize``, 1 MiB): those paths are not cut.
+    """
+
+    host: str = DRIVER_PROXY_HOST
+    rpc: FaultProxy | None = field(default=None, repr=False)
+    block_manager: FaultProxy | None = field(default=None, repr=False)
+
+    @property
+    def proxies(self) -> list[FaultProxy]:
+        return [p for p in (self.rpc, self.block_manager) if p is not None]
+
+    def start(self) -> DriverFaultPath:
+        if self.rpc is not None:
+            return self
+        from shared.devstack.netfault import stable_port
+
+        ports: list[int] = []
+        while len(ports) < 2:  # free on the driver's address and on the proxies' alike
+            port = stable_port("127.0.0.1")
+            if port not in ports and _free_on_both(port, ("127.0.0.1", self.host)):
+                ports.append(port)
+        try:
+            self.rpc = FaultProxy(ports[0], listen_port=ports[0], host=self.host, name="driver-rpc").start()
+            self.block_manager = FaultProxy(
+                ports[1], listen_port=ports[1], host=self.host, name="driver-block-manager"
+            ).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def spark_conf(self) -> dict[str, str]:
+        """The driver's Spark settings that route the executors through the proxies."""
+        assert self.rpc is not None and self.block_manager is not None, "start() the path first"
+        return {
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.driver.host": self.host,
+            "spark.driver.port": str(self.rpc.port),
+            "spark.driver.blockManager.port": str(self.block_manager.port),
+            # A taken port fails the driver's start rather than moving it past the proxy.
+            "spark.port.maxRetries": "0",
+        }
+
+    def submit_args(self, extra: str = "") -> str:
+        """``PYSPARK_SUBMIT_ARGS`` for the driver: :meth:`spark_conf`, then the options of
+        ``extra`` (other submit args, with or without their closing ``pyspark-shell``)."""
+        words = [f"--conf {k}={v}" for k, v in self.spark_conf().items()]
+        words += [w for w in extra.split() if w != "pyspark-shell"]
+        return " ".join([*words, "pyspark-shell"])
+
+    def partition(self) -> None:
+        """Both paths refused: open connections reset, new connects refused (until heal)."""
+        for p in self.proxies:
+            p.partition()
+
+    def blackhole(self) -> None:
+        for p in self.proxies:
+            p.blackhole()
+
+    def heal(self) -> None:
+        for p in self.proxies:
+            p.heal()
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Each proxy's counters (connections accepted, reset, bytes forwarded, ...)."""
+        return {p.name: dict(vars(p.counters)) for p in self.proxies}
+
+    def stop(self) -> None:
+        proxies, self.rpc, self.block_manager = self.proxies, None, None
+        for p in proxies:
+            p.stop()
+
+    def __enter__(self) -> DriverFaultPath:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
