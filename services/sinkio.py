@@ -638,6 +638,46 @@ def latest_progress_record(
     return last, values[last]
 
 
+def latest_progress_records(
+    kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
+) -> list[tuple[int, bytes] | None | Exception]:
+    """:func:`latest_progress_record` of each ``(topic, partition, start, end)``, or the error
+    of that range alone; the ranges' windows read together, round after round
+    (:func:`shared.spark.kafka_ranges.read_ranges`: one consumer and one assignment for all,
+    where one read a range costs an assignment, which waits for librdkafka holding the GIL)."""
+    from shared.errors import ShardsinkError
+    from shared.spark.kafka_ranges import Range
+    from shared.spark.kafka_ranges import read_ranges as read_together
+    from shared.spark.kafka_source import _arrow_schema
+
+    schema = _arrow_schema()
+    out: list[tuple[int, bytes] | None | Exception] = [None] * len(ranges)
+    todo = {i: (r[3], LATEST_PROGRESS_WINDOW) for i, r in enumerate(ranges) if r[3] > r[2]}  # the window's end, size
+    while todo:
+        idx = sorted(todo)
+        specs = [Range(ranges[i][0], ranges[i][1], max(ranges[i][2], todo[i][0] - todo[i][1]), todo[i][0]) for i in idx]
+        got = read_together(kafka, specs, schema=schema, fail_on_data_loss=False, values_only=True,
+                            skip_prefixes={r.topic: skip_prefix for r in specs} if skip_prefix is not None else None)
+        more: dict[int, tuple[int, int]] = {}
+        for i, r, batches in zip(idx, specs, got, strict=True):
+            if isinstance(batches, Exception):
+                out[i] = batches if isinstance(batches, ShardsinkError) else ShardsinkError(str(batches))
+                continue
+            if batches:
+                window = pa.Table.from_batches([b.select(["topic", "partition", "offset", "value"]) for b in batches])
+                decoded = decode_on_driver(window, r.topic, progress_only=True)
+                offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
+                           if k == KIND_PROGRESS]
+                if offsets:
+                    last = max(offsets)
+                    out[i] = (last, dict(zip(window["offset"].to_pylist(), window["value"].to_pylist(), strict=True))[last])
+                    continue
+            if r.start > ranges[i][2]:
+                more[i] = (r.start, todo[i][1] * 4)
+        todo = more
+    return out
+
+
 def _empty_raw() -> pa.Table:
     return pa.table({"topic": pa.array([], pa.string()), "partition": pa.array([], pa.int32()),
                      "offset": pa.array([], pa.int64()), "value": pa.array([], pa.binary())})

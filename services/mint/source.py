@@ -253,15 +253,16 @@ class MintFleetReader(HoldFileReader):
     also finds, while planning, each admitted member range's latest progress statement, as
     :class:`MintStreamReader` does for one sink: ``{"<sink>@<epoch>": {"<partition>": [offset,
     base64 value]}}`` under :data:`PROGRESS_KEY` (``[-1, null]``: none; no entry: its tail could
-    not be read, and the driver reads it). The tails are read here, in the source runner, on a
-    few threads, so the driver coordinates and reads no desired record. While the driver holds
+    not be read, and the driver reads it). The tails are read here, in the source runner, together
+    (:func:`services.sinkio.latest_progress_records`), so the driver coordinates and reads no
+    desired record. While the driver holds
     sinks back and nothing else comes, it makes a micro-batch every :data:`HELD_TICK_S` (the
     driver reads a waiting sink's shard in case its upper's announcement was lost)."""
 
     _ticked: float = 0.0
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        from services.sinkio import latest_progress_record
+        from services.sinkio import latest_progress_records
 
         end = super().latestOffset(start, limit)
         s, e = offsets_from_json(start), offsets_from_json(end)
@@ -283,16 +284,8 @@ class MintFleetReader(HoldFileReader):
             # Nothing new: the start as it is (its annotation too), so no micro-batch is made.
             return dict(start)
         self._ticked = time.monotonic()
-        prefix = update_prefix()
-
-        def one(r: tuple[str, int, int, int]) -> Tail:
-            k, p, a, b = r
-            try:
-                return latest_progress_record(self.options.settings, str(members[k]["desired_topic"]), p, a, b, prefix)
-            except ShardsinkError as ex:
-                return ex
-
-        tails = side_by_side(one, ranges, TAIL_THREADS)
+        tails = latest_progress_records(self.options.settings, [(str(members[k]["desired_topic"]), p, a, b) for k, p, a, b in ranges],
+                                        update_prefix())
         progress: dict[str, dict[str, Any]] = {}
         for (k, p, _, _), found in zip(ranges, tails, strict=True):
             if isinstance(found, ShardsinkError):

@@ -110,3 +110,21 @@ def test_the_tail_read_reads_a_few_windows_not_the_range(
     assert sizes[0] == sinkio.LATEST_PROGRESS_WINDOW and all(b == 4 * a for a, b in zip(sizes, sizes[1:-1]))
     assert windows[0][1] == n - 11 and all(w[1] == v[0] for v, w in zip(windows, windows[1:]))
     assert sum(sizes) < n - 11
+
+
+def test_the_tails_of_many_ranges_read_together_find_what_each_read_alone_finds(
+    history: tuple[KafkaSettings, str, list[bytes]],
+) -> None:
+    """latest_progress_records (the shared mint source's: every range's windows read together,
+    round after round) gives each range the statement latest_progress_record gives it alone:
+    ranges whose statement is in the first window, after several growing windows, in none, the
+    same partition named twice, and an empty range."""
+    kafka, topic, values = history
+    n = len(values)
+    rng = random.Random(5)
+    ranges = [(topic, 0, 0, n), (topic, 0, 0, n - 11), (topic, 0, n - 3011, n - 11), (topic, 0, 7, 7), (topic, 0, n - 11, n)]
+    ranges += [(topic, 0, a, min(n, a + rng.choice([1, 40, 600, 5000]))) for a in (rng.randrange(n) for _ in range(12))]
+    got = sinkio.latest_progress_records(kafka, ranges, UPDATE_PREFIX)
+    want = [sinkio.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
+    assert got == want
+    assert want[1] is not None and want[2] is None and want[3] is None  # found after growing windows; none; empty
