@@ -542,15 +542,20 @@ def read_ranges(
 ) -> pa.Table:
     """The records of ``ranges`` read on the driver (columns ``topic, partition, offset,
     value``); ``skip_prefixes`` as the source's ``skipValuePrefixes``."""
-    from shared.spark.kafka_source import read_range
+    from shared.spark.kafka_ranges import Range
+    from shared.spark.kafka_ranges import read_ranges as read_together
+    from shared.spark.kafka_source import _arrow_schema
 
     skip = skip_prefixes or {}
+    # Every range read together (one consumer assignment for all); the first that fails raises.
+    got = read_together(kafka, [Range(t, p, lo, hi) for t, p, lo, hi in ranges], schema=_arrow_schema(), skip_prefixes=skip,
+                       values_only=True)
     tables: list[pa.Table] = []
-    for t, p, lo, hi in ranges:
-        got = [b.select(["topic", "partition", "offset", "value"])
-               for b in read_range(kafka, t, p, lo, hi, skip_prefix=skip.get(t))]
-        if got:
-            tables.append(pa.Table.from_batches(got))
+    for batches in got:
+        if isinstance(batches, Exception):
+            raise batches
+        if batches:
+            tables.append(pa.Table.from_batches([b.select(["topic", "partition", "offset", "value"]) for b in batches]))
     return pa.concat_tables(tables) if tables else _empty_raw()
 
 
