@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -81,6 +81,11 @@ from shared.state import ShardState
 #: step gives up for this tick after this many failed chunks.
 _SUB_CHUNK = 1000
 _SUB_FAILURES = 100
+#: A tick produces a step's output for about this long (at least one chunk), then the
+#: controller serves its commands and the step goes on at the next tick where it stopped: a
+#: large step (a subscribe catching up after a restart or a fault) never holds the commands
+#: back for long.
+_SUB_TICK_S = 1.0
 #: How long a chunk may take to be delivered in full before it counts as ambiguous.
 _SUB_FLUSH_S = 30.0
 #: After an ambiguous chunk, the partition's end must hold still this long (at most
@@ -99,6 +104,16 @@ def encode_changes(codec: Any, sid: str, changes: list[tuple[int, bytes | None, 
                                 "error": err})) for t, row, d, err in changes]
 
 
+class _StepPaused(Exception):
+    """A step stopped at its tick's budget, between two chunks, every chunk before delivered in
+    full: ``rest`` are its messages not produced yet, ``pos`` the offset after the last one."""
+
+    def __init__(self, rest: Iterator[bytes], pos: int) -> None:
+        super().__init__("paused")
+        self.rest = rest
+        self.pos = pos
+
+
 class SubscribesRoom:
     """The controller's subscribes room (see the module docstring)."""
 
@@ -113,6 +128,12 @@ class SubscribesRoom:
         self.new_output_producer: Callable[[], Any] = self._new_output_producer
         self.flush_timeout_s = _SUB_FLUSH_S
         self.settle_s = _SUB_SETTLE_S
+        #: A step's output per tick (:data:`_SUB_TICK_S`).
+        self.tick_budget_s = _SUB_TICK_S
+        #: Steps paused at a tick's budget: per subscribe, the step's recorded intent, its
+        #: messages not produced yet and the offset after the last delivered (kept in memory:
+        #: a restarted controller counts what is on the topic instead, as after a failure).
+        self._paused: dict[str, tuple[dict[str, Any], Iterator[bytes], int]] = {}
 
     def _new_output_producer(self) -> Any:
         return ControlProducer.create(
@@ -122,6 +143,7 @@ class SubscribesRoom:
 
     def close(self) -> None:
         """Close the offset probe and the output producer (at the end of a run)."""
+        self._paused.clear()
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -183,6 +205,8 @@ class SubscribesRoom:
     def advance_subscribes(self, tick: Tick) -> None:
         """Tick step: the next output step of every running subscribe."""
         heads = tick.heads
+        for sid in [k for k in self._paused if k not in self.ctx.section.subs]:
+            del self._paused[sid]
         for sid in list(self.ctx.section.subs):
             sub = self.ctx.section.subs[sid]
             if sub.get("state") == "done":
@@ -203,16 +227,22 @@ class SubscribesRoom:
         cid = sub["collection_id"]
         emitting = sub.get("emitting")
         if emitting is not None:
+            to = Frontier.from_json(emitting["to"])
+            paused = self._paused.pop(sid, None)
+            if paused is not None and paused[0] == emitting:
+                # Paused at the last tick's budget: the rest of the step, from where it stopped.
+                if self._produce(sid, sub["topic"], paused[1], (0, paused[2]), emitting):
+                    self._finish_step(sid, to, bool(emitting.get("final")))
+                return
             # Recovery: a step was intended and may be partly on the topic (if it still exists).
             if self._probe is None:
                 self._probe = OffsetProbe(self.ctx.settings.service.kafka)
             self._probe.partitions_of(sub["topic"])
-            to = Frontier.from_json(emitting["to"])
             msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
             start = int(emitting["offset"])
             self._settle_end(sub["topic"])  # what an earlier producer left on the wire lands first
-            self.produce_step(sid, sub["topic"], msgs, self.count_on_topic(sub["topic"], sid, start))
-            self._finish_step(sid, to, bool(emitting.get("final")))
+            if self._produce(sid, sub["topic"], msgs, self.count_on_topic(sub["topic"], sid, start), emitting):
+                self._finish_step(sid, to, bool(emitting.get("final")))
             return
         st = heads.get(cid)
         if st is None or sub.get("state") == "closing":
@@ -240,8 +270,18 @@ class SubscribesRoom:
             sec.subs[sid]["emitting"] = intent
 
         self.ctx.commit(t)
-        self.produce_step(sid, sub["topic"], msgs, (0, offset))
-        self._finish_step(sid, to, final)
+        if self._produce(sid, sub["topic"], msgs, (0, offset), intent):
+            self._finish_step(sid, to, final)
+
+    def _produce(self, sid: str, topic: str, msgs: Iterable[bytes], known: tuple[int, int], intent: dict[str, Any]) -> bool:
+        """:meth:`produce_step` within a tick's budget: True when the step is on the topic,
+        False when it paused (the next tick goes on from where it stopped)."""
+        try:
+            self.produce_step(sid, topic, msgs, known, budget_s=self.tick_budget_s)
+        except _StepPaused as p:
+            self._paused[sid] = (intent, p.rest, p.pos)
+            return False
+        return True
 
     def _finish_step(self, sid: str, to: Frontier, final: bool) -> None:
         def t(s: CatalogState, sec: ControllerSection) -> None:
@@ -254,7 +294,8 @@ class SubscribesRoom:
 
         self.ctx.commit(t)
 
-    def produce_step(self, sid: str, topic: str, msgs: Iterable[bytes], known: tuple[int, int]) -> None:
+    def produce_step(self, sid: str, topic: str, msgs: Iterable[bytes], known: tuple[int, int],
+                     budget_s: float | None = None) -> None:
         """Make ``msgs`` the messages of subscribe ``sid`` on ``topic`` after the step's start.
 
         ``known = (n, pos)``: the first ``n`` of ``msgs`` are on the topic, all before offset
@@ -265,7 +306,8 @@ class SubscribesRoom:
         costs a re-count of one chunk, not of the whole step, and a large step still completes
         when deliveries fail now and then. After ``_SUB_FAILURES`` ambiguous chunks the error
         is raised; the next tick resumes from the recorded intent. Whenever this returns or
-        raises, nothing it produced is still in flight.
+        raises, nothing it produced is still in flight. With ``budget_s``, once that long has
+        passed after a chunk delivered in full, :class:`_StepPaused` is raised with the rest.
         """
         n, pos = known
         failures = 0
@@ -273,16 +315,21 @@ class SubscribesRoom:
         for _ in itertools.islice(it, n):  # already on the topic
             pass
         chunk: list[bytes] = []
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        delivered = False
         try:
             while True:
                 if not chunk:
                     chunk = list(itertools.islice(it, _SUB_CHUNK))
                     if not chunk:
                         return
+                if delivered and deadline is not None and time.monotonic() >= deadline:
+                    raise _StepPaused(itertools.chain(chunk, it), pos)
                 last, problem = self._deliver_chunk(topic, sid, chunk)
                 if problem is None:
                     chunk = []
                     pos = max(pos, last + 1)
+                    delivered = True
                     continue
                 self._end_output_producer()  # a. nothing of the chunk lands after this
                 failures += 1
@@ -296,6 +343,8 @@ class SubscribesRoom:
                 self._settle_end(topic)  # b.
                 landed, pos = self.count_on_topic(topic, sid, pos)  # c.
                 chunk = chunk[landed:]
+        except _StepPaused:
+            raise  # between chunks: nothing in flight, the producer goes on at the next tick
         except BaseException:
             self._end_output_producer()  # an error between produce and delivery leaves nothing in flight
             raise

@@ -413,3 +413,41 @@ def test_announcements_do_not_add_ticks(stack: EmbeddedStack) -> None:
         ctl.stop()
         client.close()
     assert ctl.error is None, ctl.error
+
+
+def test_a_large_subscribe_step_goes_out_over_several_ticks_exactly_once_while_commands_are_answered(running: Any) -> None:
+    """A step larger than a tick's budget (here: no budget, one chunk a tick) pauses between
+    chunks and goes on at the next tick where it stopped; the output holds every change once,
+    in order, then the progress statement; commands sent meanwhile are answered."""
+    from services.controller import subscribes
+
+    ctl, client, cs = running
+    room = ctl.rooms.subscribes
+    room.tick_budget_s = 0.0
+    paused: list[int] = []
+    real = room.produce_step
+
+    def counted(*a: Any, **kw: Any) -> None:
+        try:
+            real(*a, **kw)
+        except subscribes._StepPaused:
+            paused.append(1)
+            raise
+
+    room.produce_step = counted  # type: ignore[method-assign]
+    n = 3 * subscribes._SUB_CHUNK + 500
+    ok(client.call("CreateCollection", create_body("bigsub")))
+    ok(client.call("Append", append_body("bigsub", _rows(n, 0), 1)))
+    topic = f"bigsub-{cs.commands_topic}"
+    sid = client.send("Subscribe", {"collection_id": "bigsub", "output_topic": topic, "as_of": 0, "up_to": 1,
+                                    "with_snapshot": True})
+    ok(client.wait(sid))
+    peek = client.send("Peek", {"collection_id": "bigsub", "as_of": 0, "limit": 5})
+    assert sum(peek_rows(client.wait(peek)).values()) == 5
+    msgs = read_subscribe(client_stack(cs), topic, sid)
+    check_progress_order(msgs)
+    changes = [m for m in msgs if not m["progressed"]]
+    assert len(changes) == n and sorted(m["diff"] for m in changes) == [1] * n
+    assert len({m["row"] for m in changes}) == n  # each change once
+    assert len(paused) >= 3  # four chunks: paused after each of the first three
+    assert not room._paused
