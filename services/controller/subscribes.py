@@ -80,6 +80,12 @@ from shared.state import ShardState
 #: Subscribe output is produced in chunks of this many messages (see produce_step), and a
 #: step gives up for this tick after this many failed chunks.
 _SUB_CHUNK = 1000
+#: After a chunk that was not delivered in full the next ones are a quarter as large (down
+#: to this), and each one delivered in full doubles the size again (up to ``_SUB_CHUNK``):
+#: when messages fail one by one now and then, a large chunk almost never goes through whole
+#: (1 in 1,000 failing: 37 % of chunks of 1,000 do), and each failure costs a settle and a
+#: count of the topic.
+_SUB_MIN_CHUNK = 16
 _SUB_FAILURES = 100
 #: A tick produces a step's output for about this long (at least one chunk), then the
 #: controller serves its commands and the step goes on at the next tick where it stopped: a
@@ -317,10 +323,11 @@ class SubscribesRoom:
         chunk: list[bytes] = []
         deadline = None if budget_s is None else time.monotonic() + budget_s
         delivered = False
+        size = _SUB_CHUNK
         try:
             while True:
                 if not chunk:
-                    chunk = list(itertools.islice(it, _SUB_CHUNK))
+                    chunk = list(itertools.islice(it, size))
                     if not chunk:
                         return
                 if delivered and deadline is not None and time.monotonic() >= deadline:
@@ -330,6 +337,7 @@ class SubscribesRoom:
                     chunk = []
                     pos = max(pos, last + 1)
                     delivered = True
+                    size = min(_SUB_CHUNK, size * 2)
                     continue
                 self._end_output_producer()  # a. nothing of the chunk lands after this
                 failures += 1
@@ -343,6 +351,10 @@ class SubscribesRoom:
                 self._settle_end(topic)  # b.
                 landed, pos = self.count_on_topic(topic, sid, pos)  # c.
                 chunk = chunk[landed:]
+                size = max(_SUB_MIN_CHUNK, size // 4)
+                if len(chunk) > size:  # the rest of the chunk goes out in smaller ones, in order
+                    it = itertools.chain(chunk[size:], it)
+                    chunk = chunk[:size]
         except _StepPaused:
             raise  # between chunks: nothing in flight, the producer goes on at the next tick
         except BaseException:
