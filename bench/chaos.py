@@ -11,6 +11,11 @@ What runs (all on one embedded stack, Tansu + moto):
   (``--layout separate``, the compose/Kubernetes mode) or one ``python -m services``
   (``--layout combined``, the embedded default), and the ``controller``;
 - a subscribe through the controller (``Subscribe`` command) to an output topic;
+- a command prober, from the first kill to the last network fault: every few seconds
+  (``--probe-every-s``) a ``Peek`` of the collection at a time its shard has reached, and an
+  ``Append`` of one row to a side collection (created by ``CreateCollection``) at its upper,
+  one at a time, each through a ``ControllerClient`` as a user's would (:class:`CommandProber`;
+  kills of the controller and network faults are faults for it);
 - SIGKILLs of randomly chosen services at random times (the victim restarts after a random
   pause; a process that exits by itself is restarted too and counted);
 - injected faults in every service (``SHARDSINK_FAULTS``, see services/runtime/settings.py): S3
@@ -51,7 +56,13 @@ subscribe output, then checks:
    the final one); no update lost or doubled (the consolidated ``(row, time, diff)`` of the
    whole shard equal the model's);
 4. the subscribe's output (snapshot at 0, then changes) equals the model's change stream,
-   with progress statements in order.
+   with progress statements in order;
+5. the prober's commands (:class:`CommandLedger`): each peek's rows equal the model at its
+   as_of; an error is only a transient one (``Internal``; an append's ``UpperMismatch`` only
+   when another append took its time); every command is answered (by the controller, or by
+   the client's typed timeout) within ``--answer-bound-s`` after the heal of the faults around
+   it; the side collection holds exactly one row per time, of the append that expected it,
+   every acknowledged append's and none refused for good.
 
 The last stdout line is one JSON summary; the exit code is 1 on any divergence (and 2 if the
 run could not finish, e.g. the sink never converged).
@@ -325,6 +336,413 @@ class StateRecorder:
         self._thread.join(timeout=10)
 
 
+# -- the command prober ---------------------------------------------------------------------------
+#
+# Commands and peeks go to the controller while the faults run (issue 32: "while commands and
+# peeks go to the controller"), through a ControllerClient as a user's would. The rules: a
+# command sent during a fault may be answered late, or with a typed error (the client's own
+# timeout, or an Error of kind Internal: a transient failure), never wrongly; once the faults
+# have healed every command is answered within a bound; a peek's rows equal the model's at
+# its as_of; an append is applied iff it was acknowledged (its outcome is unknown only after
+# an Internal error or no answer).
+
+#: Error kinds an answer may carry during a fault: a transient failure (S3 or Kafka unreachable,
+#: an outcome unknown). Any other kind, for a peek at a time the shard has reached or for an
+#: append at the side collection's upper, is a wrong answer.
+TRANSIENT_ERROR_KINDS = frozenset({"Internal"})
+#: Seconds, after the fault around it heals, within which a command must be answered (in a
+#: quick run, which must not fail on a loaded CI machine, more: see BENCHMARKS.md).
+FULL_ANSWER_BOUND_S, QUICK_ANSWER_BOUND_S = 30.0, 90.0
+#: The prober sends no more commands while this many are unanswered (a user would wait too;
+#: enough for a command every 2 s through a fault of 10 s on a controller already behind).
+MAX_IN_FLIGHT = 8
+
+
+@dataclass
+class CommandRecord:
+    """One command the prober sent, and what became of it (times are wall-clock seconds, the
+    clock of the responses' ``emitted_at_ms``)."""
+
+    kind: str  # "peek" or "append"
+    command_id: str
+    sent_at: float
+    #: peek: the time read at; append: the side collection's upper it expects (its row's time)
+    as_of: int
+    #: append: the value of its row (``probe-<n>``), which says which append filled a time
+    tag: str | None = None
+    answered_at: float | None = None
+    #: "ok", "error:<Error.kind>", or None while unanswered
+    outcome: str | None = None
+    #: the client's own typed error when the send was not acknowledged in time (the command
+    #: may still arrive: librdkafka keeps it queued), and when it was raised
+    client_error: str | None = None
+    client_error_at: float | None = None
+    #: peek: whether its rows equal the model's at as_of (None: not a PeekResult)
+    equal: bool | None = None
+    note: str | None = None
+
+    def settled(self) -> bool:
+        return self.answered_at is not None
+
+    def told_at(self) -> float | None:
+        """When the user was answered: by the controller, else by the client's typed error."""
+        return self.answered_at if self.answered_at is not None else self.client_error_at
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def answer_due(sent_at: float, faults: list[tuple[float, float]], bound_s: float) -> float:
+    """When a command sent at ``sent_at`` must have been answered: ``bound_s`` seconds of no
+    fault after its send; a fault that begins before then (or is on at the send) pushes the
+    start of those seconds to its heal. ``faults`` are ``(start, heal)`` wall-clock times."""
+    t = sent_at
+    for start, heal in sorted(faults):
+        if heal <= t:
+            continue
+        if start > t + bound_s:
+            break
+        t = heal
+    return t + bound_s
+
+
+def side_row(slot: int, n: int) -> Row:
+    """The row the prober's ``n``-th append writes at time ``slot`` of the side collection
+    (one row per time: its value says which append filled it)."""
+    return (slot, f"probe-{n}")
+
+
+def peek_rows_of(response: dict[str, Any], settings: Any = None) -> Counter[Row]:
+    """A PeekResult's rows as a Counter, read as the CLI reads them: inline, or from the S3
+    object (or folder) it names, through ``settings`` (the checker's unfaulted path)."""
+    from shardsink.cli.data import _stored_rows
+    from tests.controller_fixture import ROWS
+
+    kind, res = response["body"][1]["result"]
+    if kind.endswith("InlineRows"):
+        out: Counter[Row] = Counter()
+        for rc in res["rows"]:
+            row = ROWS.decode(rc["row"])
+            out[(row["k"], row["v"])] += int(rc["count"])
+        return Counter({r: n for r, n in out.items() if n != 0})
+    return table_rows(_stored_rows(settings, res))
+
+
+class CommandLedger:
+    """The prober's record of its commands and their answers, and the rules they are judged by
+    (in memory, thread-safe). ``updates`` returns the campaign model's updates so far (the
+    workload's ``sent``): a peek's rows are compared with :func:`model_at` of them."""
+
+    def __init__(self, updates: Any, bound_s: float) -> None:
+        self.updates = updates
+        self.bound_s = bound_s
+        self.records: dict[str, CommandRecord] = {}
+        self.order: list[str] = []
+        #: (start, heal) of every fault that can keep the controller from answering
+        self.faults: list[tuple[float, float]] = []
+        self.open_fault: float | None = None
+        self.lock = threading.Lock()
+
+    def fault_began(self, at: float) -> None:
+        with self.lock:
+            self.open_fault = at
+
+    def fault_healed(self, at: float) -> None:
+        with self.lock:
+            if self.open_fault is not None:
+                self.faults.append((self.open_fault, at))
+                self.open_fault = None
+
+    def sent(self, kind: str, command_id: str, at: float, as_of: int, tag: str | None = None) -> CommandRecord:
+        rec = CommandRecord(kind, command_id, at, as_of, tag)
+        with self.lock:
+            self.records[command_id] = rec
+            self.order.append(command_id)
+        return rec
+
+    def send_failed(self, command_id: str, error: BaseException, at: float) -> None:
+        with self.lock:
+            rec = self.records[command_id]
+            rec.client_error, rec.client_error_at = type(error).__name__, at
+
+    def _faults(self, now: float) -> list[tuple[float, float]]:
+        """The faults, one still on ending at ``now`` (call with the lock held)."""
+        return self.faults + ([(self.open_fault, now)] if self.open_fault is not None else [])
+
+    def due(self, rec: CommandRecord) -> float:
+        """When ``rec`` must be answered, as far as is known now (a fault still on: never)."""
+        with self.lock:
+            return answer_due(rec.sent_at, self._faults(float("inf")), self.bound_s)
+
+    def answered(self, response: dict[str, Any], at: float, rows_of: Any) -> CommandRecord | None:
+        """Absorb a response (the first one per command counts; a replay is ignored);
+        ``rows_of(response)`` reads a PeekResult's rows as a Counter of rows."""
+        from shared.io.controller_client import body_kind
+
+        rec = self.records.get(str(response.get("command_id")))
+        if rec is None or rec.settled():
+            return None
+        kind, body = body_kind(response), response["body"][1]
+        equal, note = None, None
+        if kind == "Error":
+            outcome = f"error:{body['kind']}"
+            # An append's UpperMismatch is right iff another append filled its time after the
+            # prober read the upper (one whose outcome it could not know): :meth:`check_side`.
+            if body["kind"] not in TRANSIENT_ERROR_KINDS and (rec.kind, body["kind"]) != ("append", "UpperMismatch"):
+                note = f"{body['kind']}: {body['message']}"
+        elif rec.kind == "peek" and kind == "PeekResult":
+            outcome = "ok"
+            if int(body["as_of"]) != rec.as_of:
+                equal, note = False, f"expected a PeekResult as of {rec.as_of}, found one as of {body['as_of']}"
+            else:
+                try:
+                    got = rows_of(response)
+                except Exception as e:  # noqa: BLE001 - an answer that cannot be read is wrong
+                    got, note = None, f"expected a readable PeekResult, found {e!r}"
+                want = model_at(list(self.updates()), rec.as_of)
+                equal = got == want
+                if got is not None and not equal:
+                    note = differ(got, want)
+        elif rec.kind == "append" and kind == "Ack":
+            outcome = "ok"
+        else:
+            outcome, note = f"unexpected:{kind}", f"expected an answer to a {rec.kind}, found a {kind}"
+        with self.lock:
+            rec.answered_at, rec.outcome, rec.equal, rec.note = at, outcome, equal, note
+        return rec
+
+    def unanswered(self) -> int:
+        """How many commands the user has no answer to yet, and may still have one in time."""
+        now = time.time()
+        with self.lock:
+            faults = self._faults(float("inf"))
+            return sum(1 for r in self.records.values()
+                       if r.told_at() is None and answer_due(r.sent_at, faults, self.bound_s) >= now)
+
+    def pending_due(self) -> float | None:
+        """The latest due time of a command the user has no answer to (None: none)."""
+        with self.lock:
+            faults = self._faults(float("inf"))
+            dues = [answer_due(r.sent_at, faults, self.bound_s) for r in self.records.values() if r.told_at() is None]
+        return max(dues, default=None)
+
+    def judge(self, now: float) -> tuple[dict[str, Any], list[str]]:
+        """The figures of the summary, and a divergence for each broken rule: a wrong peek, a
+        wrong error, a command not answered (by the controller, or by the client's typed
+        error) within ``bound_s`` after the faults around it healed (judged only once that
+        time has passed by ``now``)."""
+        bound_s = self.bound_s
+        with self.lock:
+            recs = [self.records[c] for c in self.order]
+            faults = self._faults(now)
+        divergences: list[str] = []
+        latencies = sorted(r.answered_at - r.sent_at for r in recs if r.answered_at is not None)
+        late = []
+        pending = during = 0
+        heal_to_answer = []
+        for r in recs:
+            due = answer_due(r.sent_at, faults, bound_s)
+            told = r.told_at()
+            if told is None and due > now:
+                pending += 1
+            elif told is None or told > due:
+                late.append(r)
+            heal = next((h for start, h in faults if start <= r.sent_at < h), None)
+            if heal is not None:  # sent during a fault: its answer timed from that fault's heal
+                during += 1
+                if r.answered_at is not None:
+                    heal_to_answer.append(max(0.0, r.answered_at - heal))
+        mismatches = [r for r in recs if r.equal is False]
+        wrong = [r for r in recs if r.note is not None and r.equal is None]
+        for r in mismatches[:5]:
+            divergences.append(f"expected the peek {r.command_id} at as_of {r.as_of} to equal the model: {r.note}")
+        for r in wrong[:5]:
+            divergences.append(f"expected the {r.kind} {r.command_id} answered rightly or with a transient error, found {r.note}")
+        if late:
+            r = late[0]
+            told = r.told_at()
+            found = "none" if told is None else f"one {told - r.sent_at:.1f} s after its send"
+            divergences.append(
+                f"expected every command answered within {bound_s:.0f} s of the heal of the faults around it, found "
+                f"{len(late)} not: the first, a {r.kind} sent {r.sent_at - recs[0].sent_at:.1f} s into the probe, "
+                f"answered by {found}")
+        outcomes = Counter(f"{r.kind} {r.outcome or ('client:' + r.client_error if r.client_error else 'none')}" for r in recs)
+
+        def q(p: float) -> float | None:
+            if not latencies:
+                return None
+            return round(latencies[min(len(latencies) - 1, int(p * len(latencies)))], 2)
+
+        figures = {
+            "commands_sent": len(recs),
+            "commands_answered": len(latencies),
+            "commands_client_errors": sum(1 for r in recs if r.client_error is not None),
+            "commands_unanswered_after_heal": len(late),
+            "commands_pending_at_end": pending,
+            "commands_during_faults": during,
+            "commands_by_outcome": dict(sorted(outcomes.items())),
+            "commands_wrong_errors": len(wrong),
+            "peeks_checked": sum(1 for r in recs if r.equal is not None),
+            "peek_mismatches": len(mismatches),
+            "command_answer_p50_s": q(0.5),
+            "command_answer_p99_s": q(0.99),
+            "command_answer_max_s": round(latencies[-1], 2) if latencies else None,
+            "command_heal_to_answer_max_s": round(max(heal_to_answer), 2) if heal_to_answer else None,
+            "command_answer_bound_s": bound_s,
+        }
+        return figures, divergences
+
+    def check_side(self, updates: Counter[tuple[Row, int]]) -> tuple[int, list[str]]:
+        """The side collection's updates (``((k, v), time) -> diff``) against the appends'
+        answers: one row per time, at the time its append expected; an acknowledged append's
+        row there; none of an append refused with a determinate error. Returns how many rows
+        landed, and the divergences."""
+        with self.lock:
+            appends = {r.tag: r for r in self.records.values() if r.kind == "append"}
+        out: list[str] = []
+        landed: set[str] = set()
+        at: dict[int, str] = {}
+        for ((k, v), t), d in sorted(updates.items(), key=str):
+            rec = appends.get(v)
+            if d != 1 or k != t or rec is None or rec.as_of != t:
+                out.append(f"expected one row per time of the side collection, written by the append that "
+                           f"expected that time, found ({k}, {v!r}) at {t} x{d}")
+                continue
+            landed.add(v)
+            at[t] = v
+            if rec.outcome is not None and rec.outcome != "ok" and rec.outcome.split(":", 1)[-1] not in TRANSIENT_ERROR_KINDS:
+                out.append(f"expected the append {rec.command_id} refused with {rec.outcome} to have no effect, "
+                           f"found its row at {t}")
+        for tag, rec in appends.items():
+            if rec.outcome == "ok" and tag not in landed:
+                out.append(f"expected the acknowledged append {rec.command_id} to have landed at {rec.as_of}, found it absent")
+            if rec.outcome == "error:UpperMismatch" and at.get(rec.as_of) in (None, tag):
+                out.append(f"expected the append {rec.command_id} refused with UpperMismatch to find its time "
+                           f"{rec.as_of} taken by another append, found {at.get(rec.as_of)!r} there")
+        return len(landed), out[:5]
+
+
+class CommandProber:
+    """A thread that sends the controller a ``Peek`` of the collection (at a time the shard
+    has reached) and an ``Append`` to a side collection every ``every_s`` seconds, through its
+    own :class:`ControllerClient`, and records each in a :class:`CommandLedger`. Sending is on
+    a second thread (``ControllerClient.send`` blocks up to 30 s while the broker cannot be
+    reached), so answers are timed as they arrive."""
+
+    def __init__(self, ledger: CommandLedger, client: Any, collection: str, side: Any, recorder: StateRecorder,
+                 settings: Any, rng: random.Random, every_s: float) -> None:
+        self.ledger, self.client, self.collection, self.side = ledger, client, collection, side
+        self.recorder, self.settings, self.rng, self.every_s = recorder, settings, rng, every_s
+        self.appends = 0
+        self.errors: list[BaseException] = []
+        self._outbox: list[tuple[str, str, bytes, int, str | None]] = []
+        self._wake = threading.Condition()
+        self._sending = threading.Event()
+        self._done = threading.Event()
+        self._threads = [threading.Thread(target=self._guard, args=(f,), name=f"prober-{f.__name__}", daemon=True)
+                         for f in (self._probe, self._send)]
+
+    def start(self) -> CommandProber:
+        self._sending.set()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop_sending(self) -> None:
+        """No more commands; the answers of those sent are still awaited (:meth:`finish`)."""
+        self._sending.clear()
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every command is answered or past its due time,
+        then stop both threads."""
+        self.stop_sending()
+        self._threads[0].join(timeout_s)
+        self._done.set()
+        with self._wake:
+            self._wake.notify_all()
+        for t in self._threads:
+            t.join(35)
+
+    def _guard(self, f: Any) -> None:
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - reported in the summary
+            self.errors.append(e)
+            log(f"the command prober failed: {e!r}")
+
+    def rows_of(self, response: dict[str, Any]) -> Counter[Row]:
+        return peek_rows_of(response, self.settings)
+
+    def _probe(self) -> None:
+        from tests.controller_fixture import append_body
+
+        next_at = time.monotonic()
+        append_cid: str | None = None
+        while not self._done.is_set():
+            for r in self.client.poll(0.2):
+                self.ledger.answered(r, time.time(), self.rows_of)
+            if not self._sending.is_set():
+                due = self.ledger.pending_due()
+                with self._wake:
+                    queued = bool(self._outbox)
+                if not queued and (due is None or time.time() > due):
+                    return
+                continue
+            if time.monotonic() < next_at:
+                continue
+            with self._wake:
+                if self._outbox:
+                    continue  # the sender is held up (the broker unreachable): no pile-up
+            if self.ledger.unanswered() >= MAX_IN_FLIGHT:
+                continue  # the controller is held up: a user would wait too
+            next_at = time.monotonic() + self.every_s
+            head = self.recorder.states.get(max(self.recorder.states, default=-1))
+            if head is not None and head.upper.time:
+                upper, since = int(head.upper.time), int(head.since.time or 0)
+                as_of = max(since, upper - 1 - self.rng.randrange(min(upper, 3 * STEP_TIMES)))
+                self._queue("peek", "Peek", {"collection_id": self.collection, "as_of": as_of, "limit": None,
+                                             "max_inline_bytes": None}, as_of)
+            # One append at a time: the next once the last is answered (or past its due time),
+            # at the side collection's upper as the checker reads it.
+            last = self.ledger.records.get(append_cid) if append_cid else None
+            if append_cid is None or last is not None and (
+                    last.told_at() is not None or time.time() > self.ledger.due(last)):
+                try:
+                    slot = int(self.side.refresh().upper.time or 0)
+                except Exception as e:  # noqa: BLE001 - the checker's S3 path is not faulted; try again
+                    log(f"prober: reading the side collection's upper failed: {e!r}")
+                    continue
+                row = side_row(slot, self.appends)
+                self.appends += 1
+                append_cid = self._queue("append", "Append", append_body(
+                    self.side.shard_id, [({"k": row[0], "v": row[1]}, slot, 1)], slot + 1, slot), slot, row[1])
+
+    def _queue(self, kind: str, command: str, body: dict[str, Any], as_of: int, tag: str | None = None) -> str:
+        cid, value = self.client.encode(command, body)
+        with self._wake:
+            self._outbox.append((kind, cid, value, as_of, tag))
+            self._wake.notify()
+        return cid
+
+    def _send(self) -> None:
+        from shared.errors import ShardsinkError
+
+        while True:
+            with self._wake:
+                while not self._outbox and not self._done.is_set():
+                    self._wake.wait(1.0)
+                if self._done.is_set():
+                    return
+                kind, cid, value, as_of, tag = self._outbox[0]
+            self.ledger.sent(kind, cid, time.time(), as_of, tag)
+            try:
+                self.client.send_raw(value)
+            except ShardsinkError as e:  # a typed error of the client (KafkaTimeoutError)
+                self.ledger.send_failed(cid, e, time.time())
+            with self._wake:
+                self._outbox.pop(0)
+
+
 # -- the campaign -------------------------------------------------------------------------------
 
 
@@ -339,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", help="logs and checkpoints (default a new /tmp dir)")
     ap.add_argument("--trigger-ms", type=int, default=500, help="micro-batch trigger of the services (SHARDSINK_TRIGGER_MS; default 500)")
     ap.add_argument("--network-faults", type=int, help=f"network faults after the kills (default {FULL_NETWORK_FAULTS}, quick {QUICK_NETWORK_FAULTS}; 0: none, and no proxies)")
+    ap.add_argument("--probe-every-s", type=float, help="seconds between the command prober's peeks and appends through the controller, from the kills to the last network fault (default 4, quick 2; 0: no prober)")
+    ap.add_argument("--answer-bound-s", type=float, help=f"seconds after a heal within which every command must be answered (default {FULL_ANSWER_BOUND_S:.0f}, quick {QUICK_ANSWER_BOUND_S:.0f})")
     ap.add_argument("--cluster", action="store_true", help="the services on a Spark standalone cluster (2 workers x 1 core), their driver behind fault proxies; the network faults begin with the driver-executor path's (combined layout only)")
     args = ap.parse_args(argv)
     if args.cluster and args.layout == "separate":
@@ -349,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = args.layout or ("combined" if args.quick or args.cluster else "separate")
     switch_after = args.switch_after if args.switch_after is not None else max(1, kills_wanted // 3)
     per_step = 40 if args.quick else 100
+    probe_every_s = args.probe_every_s if args.probe_every_s is not None else (2.0 if args.quick else 4.0)
+    answer_bound_s = args.answer_bound_s or (QUICK_ANSWER_BOUND_S if args.quick else FULL_ANSWER_BOUND_S)
     net_wanted = args.network_faults if args.network_faults is not None else (QUICK_NETWORK_FAULTS if args.quick else FULL_NETWORK_FAULTS)
     loss_planned = any(fault == "loss" for fault, _ in network_kinds(net_wanted, args.cluster))
     work = Path(args.work_dir or f"/tmp/shardsink-chaos-{uuid.uuid4().hex[:8]}")
@@ -366,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic
     from shared.shard import Shard
-    from tests.controller_fixture import SCHEMA, check_progress_order, changes_of, read_subscribe
+    from tests.controller_fixture import SCHEMA, check_progress_order, changes_of, create_body, read_subscribe
 
     summary: dict[str, Any] = {"seed": args.seed, "layout": layout, "faults": args.faults, "quick": args.quick,
                                "cluster": args.cluster}
@@ -428,6 +850,11 @@ def main(argv: list[str] | None = None) -> int:
         producer = DesiredProducer(clean.kafka, topic, SCHEMA)
         workload = Workload(producer, random.Random(rng.random()), per_step)
         client = ControllerClient(clean.kafka, commands_topic=commands, responses_topic=responses)
+        # The command prober's record (its thread starts with the kills): faults are noted in
+        # it as they begin and heal, a kill of the controller among them.
+        ledger = CommandLedger(lambda: workload.sent, answer_bound_s)
+        prober: CommandProber | None = None
+        side = f"chaos-{run}-side"
         stop = threading.Event()
         bg_errors: list[BaseException] = []
 
@@ -475,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
             launched_before = len(cluster.executor_dirs()) if cluster is not None else 0
             dropped_before = [p.loss_counters() for p in proxies if p is not None]
             t0 = time.monotonic()
+            ledger.fault_began(time.time())
             for proxy in proxies:
                 assert proxy is not None
                 if fault == "partition":
@@ -493,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert proxy is not None
                 proxy.heal()
             t_heal = time.monotonic()
+            ledger.fault_healed(time.time())
             if not wait_upper(at_heal + 1, 300, f"after healing the {fault} of {path}"):
                 raise TimeoutError(f"the sink did not resume within 300 s after healing the {fault} of {path}")
             moved = recorder.when(at_heal + 1) or time.monotonic()
@@ -523,12 +952,17 @@ def main(argv: list[str] | None = None) -> int:
                 s.start()
             sub_id = client.send("Subscribe", {"collection_id": collection, "output_topic": sub_topic, "as_of": 0,
                                                "up_to": None, "with_snapshot": True})
+            # The prober's side collection, asked for now: the answer is awaited when it starts.
+            side_cid = client.send("CreateCollection", create_body(side)) if probe_every_s > 0 else None
             producer_thread.start()
             if not wait_upper(2 * STEP_TIMES, 600, "first appends"):
                 raise TimeoutError("the sink never started")
             # The shard holds a's rows by now; b reads the same topic, the whole truth.
             catalog.create_sink(SinkDef(sink_b, topic, collection, read_only=True, replace_contents=True))
             log(f"in step (upper {recorder.upper()}); read-only replica {sink_b} created; starting the kills")
+            if side_cid is not None:
+                prober = start_prober(clean, client, side_cid, commands, responses, side, collection, ledger,
+                                      recorder, random.Random(rng.random()), probe_every_s, reap)
             # Every service is hit at least once; the rest at random.
             order = list(victims_pool)
             rng.shuffle(order)
@@ -551,10 +985,14 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"the workload failed: {bg_errors[0]!r}")
                 s = services[victim]
                 at = {"victim": victim, "t_s": round(time.monotonic() - t_run, 1), "upper": recorder.upper(), "frontier": workload.frontier}
+                if victim == "controller":  # no answers until it is back: a fault for the prober
+                    ledger.fault_began(time.time())
                 s.kill()
                 s.kills += 1
                 time.sleep(rng.uniform(0.0, 1.5))
                 s.start()
+                if victim == "controller":
+                    ledger.fault_healed(time.time())
                 kills.append(at)
                 if (i + 1) % 10 == 0 or args.quick:
                     log(f"{i + 1}/{len(order)} kills; last {victim}; upper {recorder.upper()}, frontier {workload.frontier}")
@@ -568,6 +1006,8 @@ def main(argv: list[str] | None = None) -> int:
                 wait_upper(workload.frontier, 300, f"progress before network fault {j}")
                 net_faults.append(network_fault(fault, path, seconds))
                 log(f"{j + 1}/{net_wanted} network faults")
+            if prober is not None:  # the answers of the commands sent are still awaited
+                prober.stop_sending()
             # Converge: the last step's frontier, then the subscribe's.
             if not wait_upper(workload.frontier + STEP_TIMES, 900, "after the last kill"):
                 raise TimeoutError("the sink did not get back in step after the last kill")
@@ -602,6 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError("expected the subscribe's final progress statement within 600 s")
+            if prober is not None:
+                due = ledger.pending_due()
+                prober.finish(min(900.0, max(0.0, (due or 0.0) - time.time()) + 5.0))
             time.sleep(2.0)  # late appenders: their appends must all fail now
             recorder.stop()
             recorder.poll_once()
@@ -614,6 +1057,9 @@ def main(argv: list[str] | None = None) -> int:
             exit_code = 2
         finally:
             stop.set()
+            if prober is not None:
+                prober.finish(0.0)
+                prober.client.close()
             recorder.stop()
             for s in services.values():
                 s.kill()
@@ -656,6 +1102,11 @@ def main(argv: list[str] | None = None) -> int:
                 divergences.append(str(e))
             except Exception as e:  # noqa: BLE001 - the run's own error is the one reported
                 log(f"the partial check of the unfinished run failed: {e!r}")
+        if prober is not None:
+            report_commands(summary, divergences, ledger, prober, clean, side, work / "commands.jsonl")
+            if prober.errors and exit_code == 0:
+                summary["error"] = f"the command prober failed: {prober.errors[0]!r}"
+                exit_code = 2
         summary["logs"] = str(work / "logs")
     summary["seconds"] = round(time.monotonic() - t_run, 1)
     summary["divergences"] = divergences
@@ -668,11 +1119,71 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(summary['network_faults'])} network faults (heal to upper: max {summary['heal_to_upper_max_s']} s"
         f"{', %d skipped: %s' % (len(summary['network_faults_skipped']), summary['loss_unavailable']) if summary['network_faults_skipped'] else ''}), "
         f"{summary.get('appends', 0)} appends, {summary['updates']} updates, "
-        f"{summary.get('subscribe_changes', 0)} subscribe changes, {len(divergences)} divergences",
+        f"{summary.get('subscribe_changes', 0)} subscribe changes, {summary.get('commands_sent', 0)} commands "
+        f"({summary.get('peek_mismatches', 0)} wrong peeks, {summary.get('commands_unanswered_after_heal', 0)} "
+        f"unanswered after a heal), {len(divergences)} divergences",
         file=sys.stderr,
     )
     print(json.dumps(summary, default=str))
     return exit_code or (0 if ok else 1)
+
+
+def start_prober(clean: Any, client: Any, cid: str, commands: str, responses: str, side: str, collection: str,
+                 ledger: CommandLedger, recorder: StateRecorder, rng: random.Random, every_s: float,
+                 reap: Any) -> CommandProber:
+    """Await the side collection (``CreateCollection`` ``cid``, sent on ``client``; the same
+    definition is acknowledged again, so a try that failed is simply sent again), then start
+    the prober on a client of its own."""
+    from shared.io.controller_client import ControllerClient, body_kind
+    from shared.shard import Shard
+    from tests.controller_fixture import create_body
+
+    deadline = time.monotonic() + 600
+    while True:
+        while not client.responses(cid) and time.monotonic() < deadline:
+            reap()
+            client.poll(0.5)
+        got = client.responses(cid)
+        if got and body_kind(got[0]) == "Ack":
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected the side collection {side!r} created within 600 s, found {got}")
+        log(f"CreateCollection {side}: {got[0] if got else 'no answer'}; sending it again")
+        cid = client.send("CreateCollection", create_body(side))
+    own = ControllerClient(clean.kafka, commands_topic=commands, responses_topic=responses)
+    prober = CommandProber(ledger, own, collection, Shard.open(clean.store(), side), recorder, clean, rng, every_s)
+    log(f"side collection {side} created; the command prober starts (every {every_s} s)")
+    return prober.start()
+
+
+def report_commands(summary: dict[str, Any], divergences: list[str], ledger: CommandLedger, prober: CommandProber,
+                    clean: Any, side: str, path: Path) -> None:
+    """The prober's figures and divergences (see :class:`CommandLedger`), the side
+    collection's contents against its appends' answers, and every command in ``path``."""
+    from shared.shard import Shard
+
+    figures, found = ledger.judge(time.time())
+    summary.update(figures)
+    divergences += found
+    try:
+        shard = Shard.open(clean.store(), side)
+        head = shard.refresh()
+        landed, wrong = ledger.check_side(table_updates(shard.updates_between(head, 0, head.upper)))
+        summary.update(side_appends_landed=landed, side_upper=int(head.upper.time or 0))
+        divergences += wrong
+    except Divergence as e:
+        divergences.append(f"the side collection: {e}")
+    except Exception as e:  # noqa: BLE001 - the run's own error, if any, is the one reported
+        log(f"reading the side collection failed: {e!r}")
+    with open(path, "w") as out:
+        t0 = min((r.sent_at for r in ledger.records.values()), default=0.0)
+        for cid in ledger.order:
+            rec = ledger.records[cid].to_json()
+            for k in ("sent_at", "answered_at", "client_error_at"):
+                if k in rec:
+                    rec[k] = round(rec[k] - t0, 3)
+            out.write(json.dumps(rec) + "\n")
+    summary["commands_log"] = str(path)
 
 
 def description_lower(token: str | None) -> int | None:

@@ -6,10 +6,11 @@ process) and the controller as processes, SIGKILLed a few times at random points
 faults (errors, timeouts, PUTs that land and report a timeout, latency) and control-message
 delivery errors injected into every service (``SHARDSINK_FAULTS``), network faults on the
 paths to S3 and the broker (a partition of each and a black hole of the broker, healed), two
-sink replicas racing on one shard (one switched from read-only to writing mid-run) and a subscribe through the
-controller. Its history checker compares every shard state, every append's contents, the
-shard at sampled uppers and the subscribe's output with the reference model; it exits 0 only
-if nothing diverged. This test asserts that exit code and the summary it prints.
+sink replicas racing on one shard (one switched from read-only to writing mid-run), a
+subscribe through the controller, and peeks and appends sent to the controller throughout
+(the command prober). Its history checker compares every shard state, every append's
+contents, the shard at sampled uppers, the subscribe's output and every peek's rows with the
+reference model; it exits 0 only if nothing diverged. This test asserts that exit code and the summary it prints.
 """
 
 from __future__ import annotations
@@ -58,4 +59,9 @@ def test_quick_fault_campaign_finds_no_divergence(tmp_path: Path) -> None:
         ("partition", "s3"), ("partition", "kafka"), ("blackhole", "kafka")]
     assert all(f["heal_to_upper_s"] is not None for f in summary["network_faults"])
     assert summary["heal_to_upper_p50_s"] is not None and summary["heal_to_upper_max_s"] >= summary["heal_to_upper_p50_s"]
+    # Peeks and appends through the controller throughout the kills and the network faults:
+    # every peek equal to the model, every command answered within the bound after its heal.
+    assert summary["commands_sent"] > 0 and summary["peeks_checked"] > 0
+    assert summary["peek_mismatches"] == 0 and summary["commands_unanswered_after_heal"] == 0
+    assert summary["commands_wrong_errors"] == 0 and summary["side_appends_landed"] > 0
     assert "chaos: OK" in proc.stderr
