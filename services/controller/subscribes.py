@@ -18,7 +18,11 @@ Contract:
 Subscribe output (per step):
 
 1. commit the intent ``emitting = {to, offset}`` (``offset``: the output partition's end);
-2. produce the step's messages (sorted: deterministic) in chunks, each flushed;
+2. produce the step's messages (sorted: deterministic) in chunks, each flushed; a tick
+   produces for about :data:`_SUB_TICK_S` (at least one chunk), then the step pauses between
+   two chunks delivered in full and the controller serves its commands: the next tick goes on
+   where it stopped (the rest is kept in memory); chunks shrink after one that was not
+   delivered in full and grow back after those that were;
 3. commit ``progress = to``.
 
 On recovery a subscribe with an intent counts its messages already on the topic after
