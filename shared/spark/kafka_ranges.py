@@ -30,8 +30,8 @@ from shared.io.kafka import KafkaSettings, new_consumer, translate
 from shared.spark.consumer_pool import give_back, take_pooled
 
 
-#: Marks, among the topics a pooled consumer knows, one that paused a partition.
-_PAUSED = "\0paused"
+#: Marks, among the topics a pooled consumer knows, a partition it paused (``<mark><topic>\0<p>``).
+_PAUSED = "\0paused\0"
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,13 @@ def read_ranges(
 
         tps = [TopicPartition(t, p, s.r.start) for (t, p), s in states.items()]
         consumer.assign(tps)
-        if _PAUSED in known:  # a partition it paused may still be, whatever the assignment
-            consumer.resume(tps)
-        if _consume(consumer, states, schema, batch_size, timeout_s, skip, values_only):
-            known.add(_PAUSED)
+        # A partition this consumer paused in an earlier read may still be, whatever the
+        # assignment since: resumed (only those: a resume waits for librdkafka like an assign).
+        stale = [tp for tp in tps if f"{_PAUSED}{tp.topic}\0{tp.partition}" in known]
+        if stale:
+            consumer.resume(stale)
+            known.difference_update(f"{_PAUSED}{tp.topic}\0{tp.partition}" for tp in stale)
+        known.update(f"{_PAUSED}{t}\0{p}" for t, p in _consume(consumer, states, schema, batch_size, timeout_s, skip, values_only))
         consumer.unassign()  # stops fetching and drops what was prefetched beyond the ends
         pooled = give_back(pool_key, consumer, known)
     except KafkaAdapterError as e:
@@ -153,13 +156,13 @@ def _learn_topics(consumer: Any, known: set[str], topics: set[str], timeout_s: f
 
 
 def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.Schema, batch_size: int,
-             timeout_s: float, skip: Mapping[str, bytes], values_only: bool) -> bool:
-    """Reads until every range is done; True when it paused a partition."""
+             timeout_s: float, skip: Mapping[str, bytes], values_only: bool) -> list[tuple[str, int]]:
+    """Reads until every range is done; returns the partitions it paused."""
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
     open_ = sum(1 for s in states.values() if not s.done)
     idle_since = time.monotonic()
-    paused = False
+    paused: list[tuple[str, int]] = []
     while open_:
         want = max(1, min(batch_size, 10_000, sum(s.r.end - s.next_off for s in states.values() if not s.done)))
         msgs = consumer.consume(num_messages=want, timeout=0.05)
@@ -238,7 +241,7 @@ def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.
             # A partition that holds more than its range would be fetched on while the others
             # are read: paused (a range that ends at the partition's end is not: nothing to fetch).
             consumer.pause([TopicPartition(b.r.topic, b.r.partition) for b in beyond])
-            paused = True
+            paused.extend((b.r.topic, b.r.partition) for b in beyond)
     return paused
 
 

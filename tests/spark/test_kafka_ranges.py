@@ -85,11 +85,17 @@ def test_a_range_that_never_fills_fails_alone(topics: tuple[KafkaSettings, str, 
 def test_a_partition_paused_past_its_range_is_read_again_by_the_next_call(topics: tuple[KafkaSettings, str, str]) -> None:
     """A range far below its partition's end is paused once read (the consumer would fetch on
     while the others are read); the pooled consumer reads that partition again at the next call."""
+    import shared.spark.consumer_pool as cp
+    import shared.spark.kafka_ranges as kr
+
     settings, a, b = topics
     close_pooled_consumers()
     for k in range(4):
         got = read_ranges(settings, schema=SCHEMA, ranges=[Range(a, 0, 5 * k, 5 * k + 5), Range(a, 1, 0, 200), Range(b, 0, 0, 120)],
                           timeout_s=5.0, values_only=True, batch_size=7)
+        if k == 0:  # paused past its range (the next reads resume it: they find its records)
+            marks = [m for v in cp._POOL.values() for _, known in v for m in known if m.startswith(kr._PAUSED)]
+            assert marks == [f"{kr._PAUSED}{a}\0{0}"], marks
         assert [o for _, _, o, _ in rows(got[0])] == list(range(5 * k, 5 * k + 5))
         assert [o for _, _, o, _ in rows(got[1])] == list(range(200))
         assert [o for _, _, o, _ in rows(got[2])] == list(range(120))
