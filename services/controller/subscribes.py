@@ -47,6 +47,13 @@ b. the partition's end is re-read until it holds still (bytes already on the wir
 c. the messages of the subscribe from the chunk's start are counted, and production goes on
    after them.
 
+A chunk that failed *definitely* skips a and b: every message has its delivery report (none
+pending) and every error is one the broker or the client gives for a message it did not
+append (:data:`_NOT_APPENDED`: rejected by the broker, or never sent). Nothing of it is in
+flight, so the same producer goes on after the count (c), which a message delivered before
+the error still needs. A report that may hide an append (a timeout, a purge in flight, a fatal
+error, any code not in that set) takes the whole path.
+
 (Transactions would fence the old producer on the broker's side, but the embedded broker,
 Tansu, shows aborted and open transactions to ``read_committed`` readers: no fence there.)
 """
@@ -60,7 +67,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from services.controller.context import ControllerContext, log
 from services.controller.model import OpenCollection, Tick
@@ -76,7 +83,7 @@ from shared.controller_state import (
 )
 from shared.errors import DecodeError, KafkaAdapterError, KafkaTimeoutError, SinceViolationError, UnknownTopicError
 from shared.frontier import Frontier
-from shared.io.kafka import OffsetProbe, new_consumer
+from shared.io.kafka import OffsetProbe, consume_available, new_consumer
 from shared.io.kafka_admin import ensure_topic
 from shared.shard import DIFF, ERROR, TIME
 from shared.state import ShardState
@@ -102,6 +109,14 @@ _SUB_FLUSH_S = 30.0
 #: ``_SUB_SETTLE_MAX_S``) before it is counted.
 _SUB_SETTLE_S = 0.5
 _SUB_SETTLE_MAX_S = 10.0
+#: Delivery errors for a message that was not appended: the broker rejected it, or it was
+#: never sent (see the module docstring: a chunk failed only by these has nothing in flight).
+_NOT_APPENDED = frozenset({
+    KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.INVALID_REQUIRED_ACKS, KafkaError._PURGE_QUEUE, KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+})
 #: The subscribe output producer's own options over the controller's producer defaults.
 _SUB_PRODUCER_CONFIG = {"enable.idempotence": True, "message.timeout.ms": 0}
 
@@ -131,6 +146,7 @@ class SubscribesRoom:
         self.ctx = ctx
         self.sub_codec = message_codec("subscribe_output")
         self._probe: OffsetProbe | None = None  # long-lived: the output partitions' ends
+        self._counter: Any = None  # long-lived: reads the output after an ambiguous chunk
         #: The producer of subscribe output (a raw confluent_kafka producer, made on first use
         #: by ``new_output_producer``; tests hand a faulty one), the wait for one chunk and
         #: the time the end must hold still after an ambiguous one.
@@ -157,6 +173,9 @@ class SubscribesRoom:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        if self._counter is not None:
+            self._counter.close()
+            self._counter = None
         if self._out is not None:
             self._out.flush(5)  # a step that returned left nothing pending: this is quick
             self._end_output_producer()
@@ -312,7 +331,8 @@ class SubscribesRoom:
         ``pos``. The rest go out in chunks, each delivered in full before the next. A chunk
         that is not (an error or a timeout: ambiguous, some of it may have landed or may
         still land) ends its producer, then the messages of ``sid`` from ``pos`` on are
-        counted and production goes on after them (the module docstring's a-c). So a failure
+        counted and production goes on after them (the module docstring's a-c; a chunk that
+        failed definitely keeps its producer and is only counted). So a failure
         costs a re-count of one chunk, not of the whole step, and a large step still completes
         when deliveries fail now and then. After ``_SUB_FAILURES`` ambiguous chunks the error
         is raised; the next tick resumes from the recorded intent. Whenever this returns or
@@ -336,14 +356,18 @@ class SubscribesRoom:
                         return
                 if delivered and deadline is not None and time.monotonic() >= deadline:
                     raise _StepPaused(itertools.chain(chunk, it), pos)
-                last, problem = self._deliver_chunk(topic, sid, chunk)
+                last, problem, definite = self._deliver_chunk(topic, sid, chunk)
                 if problem is None:
                     chunk = []
                     pos = max(pos, last + 1)
                     delivered = True
                     size = min(_SUB_CHUNK, size * 2)
                     continue
-                self._end_output_producer()  # a. nothing of the chunk lands after this
+                if not definite:
+                    self._end_output_producer()  # a. nothing of the chunk lands after this
+                    # The next producer readies itself (an idempotent producer's first delivery
+                    # waits about 0.5 s for its producer id) while b and c run.
+                    self._out = self.new_output_producer()
                 failures += 1
                 if failures >= _SUB_FAILURES:
                     raise KafkaAdapterError(
@@ -352,7 +376,8 @@ class SubscribesRoom:
                     )
                 log.warning("subscribe %s: a chunk to %s was not delivered in full (%s): counting what landed",
                             sid, topic, problem)
-                self._settle_end(topic)  # b.
+                if not definite:
+                    self._settle_end(topic)  # b.
                 landed, pos = self.count_on_topic(topic, sid, pos)  # c.
                 chunk = chunk[landed:]
                 size = max(_SUB_MIN_CHUNK, size // 4)
@@ -365,10 +390,11 @@ class SubscribesRoom:
             self._end_output_producer()  # an error between produce and delivery leaves nothing in flight
             raise
 
-    def _deliver_chunk(self, topic: str, sid: str, chunk: list[bytes]) -> tuple[int, str | None]:
+    def _deliver_chunk(self, topic: str, sid: str, chunk: list[bytes]) -> tuple[int, str | None, bool]:
         """Produce ``chunk`` and wait up to ``flush_timeout_s`` for all of it: ``(the last
-        offset delivered, None)``, or ``(.., what went wrong)`` when any message failed or is
-        still pending (the chunk is then ambiguous)."""
+        offset delivered, None, True)``, or ``(.., what went wrong, definite)`` when any
+        message failed or is still pending (the chunk is then ambiguous; ``definite`` when none
+        is pending and every error is in :data:`_NOT_APPENDED`: nothing of it is in flight)."""
         if self._out is None:
             self._out = self.new_output_producer()
         out = self._out
@@ -390,16 +416,17 @@ class SubscribesRoom:
                     break
                 except BufferError:
                     if time.monotonic() > deadline:
-                        return last[0], f"the producer's queue stayed full for {self.flush_timeout_s} s"
+                        return last[0], f"the producer's queue stayed full for {self.flush_timeout_s} s", False
                     out.poll(0.05)
         pending = int(out.flush(0.5))
         while pending > 0 and time.monotonic() < deadline:
             pending = int(out.flush(0.5))
         if pending > 0:
-            return last[0], f"{pending} messages pending after {self.flush_timeout_s} s"
+            return last[0], f"{pending} messages pending after {self.flush_timeout_s} s", False
         if errors:
-            return last[0], f"{len(errors)} delivery errors, the first {errors[0]}"
-        return last[0], None
+            definite = all(e.code() in _NOT_APPENDED for e in errors)
+            return last[0], f"{len(errors)} delivery errors, the first {errors[0]}", definite
+        return last[0], None, True
 
     def _end_output_producer(self) -> None:
         """Purge and close the output producer: once this returns, nothing it was given is sent
@@ -495,18 +522,21 @@ class SubscribesRoom:
     def count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
         """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset
         ``start``, and the offset up to which they were counted."""
-        with OffsetProbe(self.ctx.settings.service.kafka) as probe:
-            end = probe.ends([(topic, 0)])[(topic, 0)]
+        if self._probe is None:
+            self._probe = OffsetProbe(self.ctx.settings.service.kafka)
+        end = self._probe.ends([(topic, 0)])[(topic, 0)]
         if end <= start:
             return 0, start
-        c = new_consumer(self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest"})
+        if self._counter is None:  # kept: a count after each ambiguous chunk, often many a minute
+            self._counter = new_consumer(self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest"})
+        c = self._counter
         n = 0
         try:
             c.assign([TopicPartition(topic, 0, start)])
             pos = start
             deadline = time.monotonic() + 60
             while pos < end and time.monotonic() < deadline:
-                for m in c.consume(num_messages=1000, timeout=0.2):
+                for m in consume_available(c, 1000, 0.2):
                     if m.error() is not None:
                         continue
                     pos = max(pos, int(m.offset() or 0) + 1)
@@ -515,8 +545,11 @@ class SubscribesRoom:
                             n += 1
                     except DecodeError:
                         continue
-        finally:
+        except BaseException:
+            self._counter = None  # a consumer in an unknown state is not kept
             c.close()
+            raise
+        c.unassign()
         if pos < end:
             # A partial count would make the caller produce messages already there again.
             raise KafkaTimeoutError(

@@ -128,10 +128,13 @@ class Faults:
     - ``lost_ack_p``: an S3 PUT lands, then reports a timeout (indeterminate);
     - ``timeout_p``: an S3 call reports a timeout without being performed (indeterminate);
     - ``latency_ms``: up to this much extra latency on every S3 call (uniform);
-    - ``kafka_error_p``: a control message is not produced and its delivery reports an error,
-      and so does every later one until the producer is flushed (no gaps, as with an
-      idempotent producer);
-    - ``kafka_lost_ack_p``: a control message is produced, then its delivery reports an error.
+    - ``kafka_error_p``: a control message is not produced and its delivery reports an error
+      the broker gives for a batch it did not append (``NOT_ENOUGH_REPLICAS``), and so does
+      every later one until the producer is flushed (no gaps, as with an idempotent
+      producer);
+    - ``kafka_lost_ack_p``: a control message is produced, then its delivery reports a
+      timeout (``_MSG_TIMED_OUT``: it may have been appended, as librdkafka says of a
+      message that timed out in flight).
     """
 
     error_p: float = 0.0
@@ -198,13 +201,14 @@ class _FaultyProducer:
         if (self._failing or r < self._error_p + self._lost_ack_p) and on_delivery is not None:
             from confluent_kafka import KafkaError
 
-            err = KafkaError(KafkaError._MSG_TIMED_OUT, "injected delivery error (SHARDSINK_FAULTS)")
             if self._failing or r < self._error_p:
                 self._failing = True
-                on_delivery(err, None)  # never produced, nor is anything after it until flush
+                # never produced, nor is anything after it until flush: the broker's answer
+                # for a batch it did not append
+                on_delivery(KafkaError(KafkaError.NOT_ENOUGH_REPLICAS, "injected: not appended (SHARDSINK_FAULTS)"), None)
                 return
             self._inner.produce(topic, value=value, key=key, **kw)  # produced, reported failed
-            on_delivery(err, None)
+            on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT, "injected: lost acknowledgement (SHARDSINK_FAULTS)"), None)
             return
         self._inner.produce(topic, value=value, key=key, on_delivery=on_delivery, **kw)
 

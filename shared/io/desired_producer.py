@@ -282,7 +282,7 @@ def topic_progress(
 
     from shared.desired import DesiredProgress, decode_desired
     from shared.errors import DecodeError, UnknownTopicError
-    from shared.io.kafka import OffsetProbe, new_consumer
+    from shared.io.kafka import OffsetProbe, consume_available, new_consumer
 
     with OffsetProbe(settings, timeout_s) as probe:
         try:
@@ -308,7 +308,7 @@ def topic_progress(
                             topic=topic,
                             partition=p,
                         )
-                    for m in consumer.consume(num_messages=1000, timeout=0.1):
+                    for m in consume_available(consumer, 1000, 0.1):
                         if m.error() is not None or (m.offset() or 0) >= hi:
                             continue
                         pos = max(pos, int(m.offset() or 0) + 1)

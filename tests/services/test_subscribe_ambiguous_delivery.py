@@ -141,3 +141,86 @@ def test_a_step_whose_chunk_lands_after_a_failed_flush_is_on_the_topic_once_in_o
     assert len(got) == len(want), f"expected {len(want)} messages, found {len(got)} (doubled: {len(got) - len(want)})"
     assert [(m["time"], m["progressed"]) for m in got] == want, "expected every change once, in order, progress last"
     assert [m["row"] for m in got[:-1]] == [b"r%d" % i for i in range(n)]
+
+
+class _Rejecting:
+    """A producer whose message ``at`` (by produce call) is rejected by the broker (a definite
+    error, ``NOT_ENOUGH_REPLICAS``: not appended), and so is every later one until the next
+    flush (an idempotent producer leaves no gap). With ``lost_ack_at`` that message lands but
+    its delivery reports a timeout (it may have been appended)."""
+
+    def __init__(self, inner: Any, at: int, lost_ack_at: int = -1) -> None:
+        self.inner = inner
+        self.at = at
+        self.lost_ack_at = lost_ack_at
+        self.calls = 0
+        self.failing = False
+
+    def produce(self, topic: str, value: bytes, key: Any = None, on_delivery: Any = None, **kw: Any) -> None:
+        i = self.calls
+        self.calls += 1
+        if i == self.at or self.failing:
+            self.failing = True
+            on_delivery(KafkaError(KafkaError.NOT_ENOUGH_REPLICAS, "test: not appended"), None)
+            return
+        if i == self.lost_ack_at:
+            self.inner.produce(topic, value=value, key=key, **kw)
+            on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT, "test: lost acknowledgement"), None)
+            return
+        self.inner.produce(topic, value=value, key=key, on_delivery=on_delivery, **kw)
+
+    def flush(self, timeout: float = -1) -> int:
+        self.failing = False
+        return int(self.inner.flush(timeout))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lost_ack", [False, True], ids=["rejected-only", "rejected-and-lost-ack"])
+def test_a_chunk_the_broker_rejected_goes_on_with_the_same_producer_without_settling(
+    stack: EmbeddedStack, lost_ack: bool
+) -> None:
+    """A chunk whose failures are all definite (the broker did not append them; nothing is in
+    flight) is counted and the same producer goes on, with no wait for the partition's end to
+    hold still; one with a report that may hide an append (a timeout) still takes the whole
+    path: a new producer, the settle, the count. Either way the output holds every message
+    once, in order."""
+    cs = controller_settings(stack)
+    ctl = Controller(cs)
+    room = ctl.rooms.subscribes
+    topic = f"sub-rej-{uuid.uuid4().hex[:8]}"
+    ensure_topic(cs.service.kafka, topic, 1)
+    enc = ctl.sub_codec.encode
+    n = _SUB_CHUNK + 300
+    msgs = [bytes(enc({"subscribe_id": "ours", "time": i, "progressed": False, "diff": 1, "row": b"r%d" % i}))
+            for i in range(n)]
+    made: list[_Rejecting] = []
+
+    def room_producer() -> Any:
+        first = not made
+        p = _Rejecting(Producer(cs.service.kafka.config(**{"enable.idempotence": True})),
+                       at=700 if first else -1, lost_ack_at=300 if first and lost_ack else -1)
+        made.append(p)
+        return p
+
+    settles = [0]
+    settle = room._settle_end
+
+    def counted_settle(topic: str) -> None:
+        settles[0] += 1
+        settle(topic)
+
+    room.new_output_producer = room_producer
+    room._settle_end = counted_settle  # type: ignore[method-assign]
+    try:
+        room.produce_step("ours", topic, msgs, (0, 0))
+    finally:
+        room.close()
+    got = read_subscribe(stack, topic, "ours", until_final=False, timeout_s=8)
+    assert [m["time"] for m in got] == list(range(n)), "expected every message once, in order"
+    if lost_ack:
+        assert (len(made), settles[0]) == (2, 1), "expected a new producer and a settle after a possible append"
+    else:
+        assert (len(made), settles[0]) == (1, 0), "expected the same producer to go on, with no settle"
