@@ -384,16 +384,10 @@ def _waves(units: Sequence[WriteUnit]) -> list[list[WriteUnit]]:
     """A task's units in waves whose desired ranges together hold at most
     :data:`PREFETCH_RECORDS` records (a unit above it is a wave alone): a wave's input is read
     at once and held until its units ran."""
-    waves: list[list[WriteUnit]] = [[]]
-    size = 0
-    for u in units:
-        n = 0 if u.desired is None else u.desired.end - u.desired.start
-        if waves[-1] and size + n > PREFETCH_RECORDS:
-            waves.append([])
-            size = 0
-        waves[-1].append(u)
-        size += n
-    return [w for w in waves if w]
+    from shared.spark.kafka_ranges import split_waves
+
+    return list(split_waves(units, lambda u: 0 if u.desired is None else u.desired.end - u.desired.start,
+                            PREFETCH_RECORDS))
 
 
 def _discard_version(u: WriteUnit, batch_id: int) -> None:

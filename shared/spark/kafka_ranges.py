@@ -18,9 +18,9 @@ sink's lost history does not fail another sink's unit.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +28,8 @@ import pyarrow as pa
 from shared.errors import KafkaAdapterError, KafkaDataLossError, KafkaTimeoutError
 from shared.io.kafka import KafkaSettings, new_consumer, translate
 from shared.spark.consumer_pool import give_back, take_pooled
+
+T = TypeVar("T")
 
 
 #: Marks, among the topics a pooled consumer knows, a partition it paused (``<mark><topic>\0<p>``).
@@ -274,6 +276,29 @@ def _flush(s: _Reading, schema: pa.Schema, values_only: bool) -> None:
 WAVE_RECORDS = 200_000
 
 
+def split_waves(items: Iterable[T], size: Callable[[T], int], limit: int,
+                alone: Callable[[T], bool] | None = None) -> Iterator[list[T]]:
+    """``items`` in order, in waves whose sizes add up to at most ``limit`` (an item above it,
+    or one ``alone`` says so of, is a wave by itself)."""
+    wave: list[T] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if alone is not None and alone(it):
+            if wave:
+                yield wave
+            yield [it]
+            wave, total = [], 0
+            continue
+        if wave and total + n > limit:
+            yield wave
+            wave, total = [], 0
+        wave.append(it)
+        total += n
+    if wave:
+        yield wave
+
+
 def read_in_waves(options: Any, ranges: Sequence[Any], values_only: bool,
                   read_one: Callable[[Any], Iterator[pa.RecordBatch]], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     """A task's ranges (:class:`shared.spark.kafka_source.KafkaInputPartition`, with the source's
@@ -294,20 +319,8 @@ def read_in_waves(options: Any, ranges: Sequence[Any], values_only: bool,
                 raise g
             yield from g
 
-    wave: list[Any] = []
-    size = 0
-    for r in ranges:
-        n = r.end - r.start
-        if getattr(r, "lost_from", None) is not None or n > WAVE_RECORDS:
-            if wave:
-                yield from together(wave)
-            wave, size = [], 0
-            yield from read_one(r)
-            continue
-        if wave and size + n > WAVE_RECORDS:
-            yield from together(wave)
-            wave, size = [], 0
-        wave.append(r)
-        size += n
-    if wave:
+    def alone(r: Any) -> bool:
+        return getattr(r, "lost_from", None) is not None or r.end - r.start > WAVE_RECORDS
+
+    for wave in split_waves(ranges, lambda r: r.end - r.start, WAVE_RECORDS, alone):
         yield from together(wave)

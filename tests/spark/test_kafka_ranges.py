@@ -125,3 +125,16 @@ def test_a_task_of_many_ranges_reads_them_in_waves_in_order(topics: tuple[KafkaS
     assert alone == [(a, 2, 0), (b, 0, 0), (a, 0, 40), (a, 1, 60)]
     with pytest.raises(KafkaTimeoutError):
         list(kr.read_in_waves(opts, [KafkaInputPartition(a, 0, 0, 10), KafkaInputPartition(b, 0, 100, 130)], True, read_one, SCHEMA))
+
+
+def test_split_waves_keeps_order_bounds_each_wave_and_puts_large_or_marked_items_alone() -> None:
+    """Waves of at most the limit in order; an item above the limit or one marked alone is a
+    wave by itself; nothing is dropped or repeated."""
+    from shared.spark import kafka_ranges as kr
+
+    sizes = [30, 50, 40, 250, 10, 10, 99, 1, 60]
+    got = list(kr.split_waves(sizes, lambda n: n, 100))
+    assert got == [[30, 50], [40], [250], [10, 10], [99, 1], [60]]
+    marked = list(kr.split_waves(sizes, lambda n: n, 100, alone=lambda n: n == 99 or n > 100))
+    assert marked == [[30, 50], [40], [250], [10, 10], [99], [1, 60]]
+    assert list(kr.split_waves([], lambda n: n, 100)) == []
