@@ -537,7 +537,7 @@ def planned_ranges(
     return pending(offsets_from_json(start), offsets_from_json(end))
 
 
-def read_ranges(
+def read_ranges_on_driver(
     kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefixes: Mapping[str, bytes] | None = None
 ) -> pa.Table:
     """The records of ``ranges`` read on the driver (columns ``topic, partition, offset,
@@ -571,7 +571,7 @@ def read_planned_batch(
     as the source's ``skipValuePrefixes``. None when the log does not hold the batch's
     offsets: read the batch's DataFrame then."""
     ranges = planned_ranges(files, batch_id)
-    return None if ranges is None else read_ranges(kafka, ranges, skip_prefixes)
+    return None if ranges is None else read_ranges_on_driver(kafka, ranges, skip_prefixes)
 
 
 #: The first window :func:`read_latest_progress` reads back from a range's end.
@@ -629,25 +629,20 @@ def latest_progress_record(
     kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
 ) -> tuple[int, bytes] | None:
     """The offset and value of the latest progress statement of ``topic``/``partition`` in
-    ``[start, end)`` (:func:`read_latest_progress`), None when the range holds none."""
-    windows = _tail_windows(kafka, topic, partition, start, end, skip_prefix)
-    if not windows:
-        return None
-    raw, decoded = windows[-1]  # the windows read before it hold no statement
-    offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
-               if k == KIND_PROGRESS]
-    if not offsets:
-        return None
-    last = max(offsets)
-    values = dict(zip(raw["offset"].to_pylist(), raw["value"].to_pylist(), strict=True))
-    return last, values[last]
+    ``[start, end)`` (:func:`read_latest_progress`), None when the range holds none: one range
+    of :func:`latest_progress_records`, whose error is raised."""
+    found = latest_progress_records(kafka, [(topic, partition, start, end)], skip_prefix)[0]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def latest_progress_records(
     kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
 ) -> list[tuple[int, bytes] | None | Exception]:
-    """:func:`latest_progress_record` of each ``(topic, partition, start, end)``, or the error
-    of that range alone; the ranges' windows read together, round after round
+    """The offset and value of the latest progress statement of each ``(topic, partition,
+    start, end)`` (None: the range holds none; :func:`read_latest_progress`'s windows back from
+    the range's end), or the error of that range alone; the ranges' windows read together, round after round
     (:func:`shared.spark.kafka_ranges.read_ranges`: one consumer and one assignment for all,
     where one read a range costs an assignment, which waits for librdkafka holding the GIL)."""
     from shared.errors import ShardsinkError

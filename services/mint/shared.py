@@ -40,10 +40,10 @@ from services.runtime.supervisor import interruptible
 from services.sinkio import (
     ControlProducer,
     decode_on_driver,
-    latest_progress_record,
+    latest_progress_records,
     planned_ranges,
     read_latest_progress,
-    read_ranges,
+    read_ranges_on_driver,
 )
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
@@ -142,7 +142,7 @@ class SharedMint:
         announced: dict[str, list[tuple[int, bytes]]] = {}
         uppers: dict[str, list[Any]] = {}
         if frontier_ranges:
-            raw = read_ranges(s.kafka, frontier_ranges)
+            raw = read_ranges_on_driver(s.kafka, frontier_ranges)
             codec = message_codec("frontier_update")
             for off, value in zip(raw["offset"].to_pylist(), raw["value"].to_pylist(), strict=True):
                 try:
@@ -153,16 +153,14 @@ class SharedMint:
                 announced.setdefault(shard_id, []).append((off, value))
                 uppers.setdefault(shard_id, []).append(upper)
 
-        def tail(r: tuple[str, int, int, int]) -> Any:
-            key, p, a, b = r
-            try:
-                return latest_progress_record(s.kafka, members[key].desired_topic, p, a, b, prefix)
-            except ShardsinkError as e:
-                return e
-
         known = (progress or {}) if not first else {}  # a first batch reads its ranges from 0
         todo = [r for r in desired if r[1] not in known.get(r[0], {})]
-        read = dict(zip(todo, side_by_side(tail, todo, PARALLEL_SINKS), strict=True))
+        try:  # the tails read together: one consumer, one assignment
+            got: list[Any] = latest_progress_records(
+                s.kafka, [(members[key].desired_topic, p, a, b) for key, p, a, b in todo], prefix)
+        except ShardsinkError as e:
+            got = [e] * len(todo)
+        read = dict(zip(todo, got, strict=True))
         tails = [read[r] if r in read else _found(known[r[0]][r[1]], r[2]) for r in desired]
         statements: dict[str, list[tuple[str, int, int, bytes]]] = {}
         unread: dict[str, list[tuple[int, int, int]]] = {}

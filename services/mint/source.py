@@ -60,7 +60,6 @@ from pyspark.sql.streaming.datasource import ReadLimit
 
 from shared.errors import ShardsinkError
 from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json
-from shared.side_by_side import side_by_side
 from shared.spark.fleet_source import HoldFileReader
 from shared.spark.kafka_source import HoldingStreamReader, SourceOptions
 from shared.spark.kafka_connector import KafkaDataSource
@@ -73,8 +72,6 @@ HOLD_FILE = "mint-hold"
 #: The annotation of a mint micro-batch's offsets that carries the desired partitions' latest
 #: progress statements.
 PROGRESS_KEY = ANNOTATION_PREFIX + "progress"
-#: Desired ranges whose tails a shared mint source reads side by side (a consumer each).
-TAIL_THREADS = 8
 #: What a desired range's tail holds: its latest progress statement ``(offset, value)``, None
 #: for none, or the error that kept it from being read.
 Tail = tuple[int, bytes] | None | ShardsinkError
@@ -155,7 +152,7 @@ class MintStreamReader(HoldingStreamReader):
         """The desired ranges ``(partition, start, end)`` of ``[start, end)`` that are not empty,
         and the latest progress statement of each (None: none; an error: its tail could not be
         read). The ranges last read are answered again without a read."""
-        from services.sinkio import latest_progress_record
+        from services.sinkio import latest_progress_records
 
         topic = self.hold["desired_topic"]
         ranges = [(p, start.get(topic, {}).get(p, 0), b) for p, b in sorted(end.get(topic, {}).items())]
@@ -167,20 +164,18 @@ class MintStreamReader(HoldingStreamReader):
         prefix = dict(self.options.skip_value_prefixes).get(topic)
         quiet = {p: q for p, q in self._quiet.items() if any(p == r[0] and q[0] == r[1] for r in ranges)}
 
-        def one(r: tuple[int, int, int]) -> Tail:
-            p, a, b = r
-            # [a, quiet end) was read without a statement: only what came after it can hold one.
-            a = max(a, min(b, quiet[p][1])) if p in quiet else a
-            if a >= b:
-                return None
-            try:
-                return latest_progress_record(self.options.settings, topic, p, a, b, prefix)
-            except ShardsinkError as e:
-                return e
-
-        # The partitions' tails are read concurrently (a consumer each; librdkafka waits and
-        # parses without the GIL): the micro-batch waits for the slowest, not for their sum.
-        results = side_by_side(one, ranges, TAIL_THREADS)
+        # [a, quiet end) was read without a statement: only what came after it can hold one.
+        reads = [(p, max(a, min(b, quiet[p][1])) if p in quiet else a, b) for p, a, b in ranges]
+        todo = [i for i, (_, a, b) in enumerate(reads) if a < b]
+        results: list[Tail] = [None] * len(ranges)
+        # The partitions' tails are read together (one consumer, one assignment): the
+        # micro-batch waits for the slowest, not for their sum.
+        try:
+            got: list[Any] = latest_progress_records(self.options.settings, [(topic, *reads[i]) for i in todo], prefix)
+        except ShardsinkError as e:
+            got = [e] * len(todo)
+        for i, f in zip(todo, got, strict=True):
+            results[i] = f
         self._quiet = {}
         for (p, a, b), found in zip(ranges, results, strict=True):
             if isinstance(found, ShardsinkError):

@@ -98,13 +98,13 @@ def test_updates_without_a_statement_are_held_until_one_ends_the_wait_each_read_
     ms.write_hold(str(hold), False)
     r = reader(stack, desired, frontiers, hold, waitForRecordsMs="20000")
     reads: list[tuple[int, int]] = []
-    real = sinkio.latest_progress_record
+    real = sinkio.latest_progress_records
 
-    def counted(settings: Any, topic: str, p: int, a: int, b: int, prefix: Any) -> Any:
-        reads.append((a, b))
-        return real(settings, topic, p, a, b, prefix)
+    def counted(settings: Any, ranges: Any, prefix: Any) -> Any:
+        reads.extend((a, b) for _, _, a, b in ranges)
+        return real(settings, ranges, prefix)
 
-    monkeypatch.setattr(sinkio, "latest_progress_record", counted)
+    monkeypatch.setattr(sinkio, "latest_progress_records", counted)
     limit: Any = r.getDefaultReadLimit()
     later = Later(stack.bootstrap_servers)
     try:
@@ -233,7 +233,7 @@ def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired:
     def unavailable(*a: Any) -> None:
         raise KafkaUnavailableError("broker gone")
 
-    monkeypatch.setattr("services.sinkio.latest_progress_record", unavailable)
+    monkeypatch.setattr("services.sinkio.latest_progress_records", unavailable)
     end = r.latestOffset(start, limit)
     got = ms.planned_progress(end)
     assert 0 not in got and got[1] == (25, encode_progress(1, Frontier.at(9)))
