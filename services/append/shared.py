@@ -223,7 +223,7 @@ class SharedAppend:
         self.fresh -= fresh | {k for k in self.fresh if k not in members}
         if not fresh or not self.batch_start:
             return {}
-        from services.sinkio import read_ranges
+        from services.sinkio import read_ranges_on_driver
         from shared.io.kafka import OffsetProbe
 
         want = {members[k].sink_id: k for k in fresh}
@@ -238,7 +238,7 @@ class SharedAppend:
         out: dict[str, list[tuple[str, bytes | None]]] = {}
         if not ranges:
             return out
-        raw = read_ranges(self.settings.kafka, ranges)
+        raw = read_ranges_on_driver(self.settings.kafka, ranges)
         for t, v in zip(raw["topic"].to_pylist(), raw["value"].to_pylist(), strict=True):
             sid = message_sink(t, v, self.settings)
             if sid in want:

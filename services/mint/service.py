@@ -61,7 +61,7 @@ from services.sinkio import (
     decode_on_driver,
     planned_ranges,
     read_latest_progress,
-    read_ranges,
+    read_ranges_on_driver,
     u64,
 )
 from shared.catalog import SinkDef
@@ -291,7 +291,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
             # (services/mint/source.py): take it from the logged offsets; a range it could not
             # read is read here, when it can matter.
             statements = minter.take_planned_progress(planned, planned_progress(logged))
-            raw = read_ranges(settings.kafka, [r for r in planned if r[0] != desired_topic])
+            raw = read_ranges_on_driver(settings.kafka, [r for r in planned if r[0] != desired_topic])
             if statements:
                 raw = pa.concat_tables([raw, pa.table({
                     "topic": pa.array([desired_topic] * len(statements), pa.string()),
