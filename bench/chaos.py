@@ -39,8 +39,8 @@ What runs (all on one embedded stack, Tansu + moto):
   master and two workers of one core each, from the pyspark wheel) in client mode, their driver
   binding 127.0.0.1 and advertising 127.0.0.2, where fault proxies forward to it
   (``DriverFaultPath``, shared/devstack/embedded.py), so every connection of the executors to
-  the driver goes through them; the network faults then begin with a partition and a black
-  hole of that path (``driver``), and each fault's record says how many executors the workers
+  the driver goes through them; the network faults then begin with a partition, a black
+  hole, latency and packet loss on that path (``driver``), and each fault's record says how many executors the workers
   launched meanwhile (an executor whose connection to the driver is reset exits; the master
   launches another). The executors reach the broker and S3 through the stack's proxies too.
 
@@ -103,8 +103,8 @@ NETWORK_FAULTS = (("partition", "s3"), ("partition", "kafka"), ("blackhole", "ka
                   ("latency", "s3"), ("latency", "kafka"), ("loss", "s3"), ("loss", "kafka"),
                   ("partition", "both"), ("loss", "both"))
 #: With ``--cluster``, before those: the path between the services' driver and the cluster's
-#: executors, partitioned and black-holed.
-DRIVER_NETWORK_FAULTS = (("partition", "driver"), ("blackhole", "driver"))
+#: executors, partitioned, black-holed, slowed and lossy.
+DRIVER_NETWORK_FAULTS = (("partition", "driver"), ("blackhole", "driver"), ("latency", "driver"), ("loss", "driver"))
 #: Network faults of a full campaign and of a quick one.
 FULL_NETWORK_FAULTS, QUICK_NETWORK_FAULTS = 30, 3
 #: A latency fault's delay per chunk, and its jitter (ms).
@@ -798,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = driver_path = None
         if args.cluster:
             cluster = on_cluster.enter_context(SparkStandalone(workers=2, cores=1, log_dir=work / "logs" / "spark"))
-            driver_path = on_cluster.enter_context(DriverFaultPath())
+            driver_path = on_cluster.enter_context(DriverFaultPath(loss_path=loss_planned))
             log(f"standalone cluster at {cluster.master_url}; the driver advertises {driver_path.host}")
         run = uuid.uuid4().hex[:6]
         if stack.loss_unavailable:
@@ -1000,8 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
                 catalog.allow_writes(sink_b)
                 switched_at = recorder.upper()
             for j, (fault, path, seconds) in enumerate(network_plan(net_wanted, args.quick, rng, args.cluster)):
-                if fault == "loss" and stack.loss_unavailable:
-                    net_skipped.append({"fault": fault, "path": path, "reason": stack.loss_unavailable})
+                no_loss = stack.loss_unavailable or (
+                    next((p.loss_unavailable for p in driver_path.proxies if p.loss_unavailable), None)
+                    if path == "driver" and driver_path is not None else None)
+                if fault == "loss" and no_loss:
+                    net_skipped.append({"fault": fault, "path": path, "reason": no_loss})
                     continue
                 wait_upper(workload.frontier, 300, f"progress before network fault {j}")
                 net_faults.append(network_fault(fault, path, seconds))

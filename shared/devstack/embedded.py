@@ -526,6 +526,8 @@ class DriverFaultPath:
     """
 
     host: str = DRIVER_PROXY_HOST
+    #: The proxies' upstream paths can lose packets (:meth:`loss`; ``loss_path`` of the proxy).
+    loss_path: bool = False
     rpc: FaultProxy | None = field(default=None, repr=False)
     block_manager: FaultProxy | None = field(default=None, repr=False)
 
@@ -544,9 +546,10 @@ class DriverFaultPath:
             if port not in ports and _free_on_both(port, ("127.0.0.1", self.host)):
                 ports.append(port)
         try:
-            self.rpc = FaultProxy(ports[0], listen_port=ports[0], host=self.host, name="driver-rpc").start()
+            self.rpc = FaultProxy(ports[0], listen_port=ports[0], host=self.host, name="driver-rpc",
+                                  loss_path=self.loss_path).start()
             self.block_manager = FaultProxy(
-                ports[1], listen_port=ports[1], host=self.host, name="driver-block-manager"
+                ports[1], listen_port=ports[1], host=self.host, name="driver-block-manager", loss_path=self.loss_path
             ).start()
         except BaseException:
             self.stop()
@@ -580,6 +583,16 @@ class DriverFaultPath:
     def blackhole(self) -> None:
         for p in self.proxies:
             p.blackhole()
+
+    def latency(self, ms: float, jitter_ms: float = 0.0) -> None:
+        """Every chunk between the executors and the driver delayed (both paths)."""
+        for p in self.proxies:
+            p.latency(ms, jitter_ms)
+
+    def loss(self, percent: float) -> None:
+        """``percent`` % of the packets lost each way on both paths (``loss_path=True``)."""
+        for p in self.proxies:
+            p.loss(percent)
 
     def heal(self) -> None:
         for p in self.proxies:

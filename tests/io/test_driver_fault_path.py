@@ -92,3 +92,35 @@ def test_connections_to_the_advertised_address_go_through_the_proxies_and_a_part
     path.heal()
     for proxy in path.proxies:
         assert _round_trip(proxy.port, b"again") == b"again"
+
+
+def test_latency_on_the_path_delays_both_proxies_and_the_heal_ends_it(path: DriverFaultPath) -> None:
+    import time
+
+    path.latency(150, jitter_ms=0)
+    for proxy in path.proxies:
+        t0 = time.monotonic()
+        assert _round_trip(proxy.port, b"slow") == b"slow"
+        assert time.monotonic() - t0 >= 0.25, f"expected each way delayed 150 ms through {proxy.name}"
+    path.heal()
+    for proxy in path.proxies:
+        t0 = time.monotonic()
+        assert _round_trip(proxy.port, b"fast") == b"fast"
+        assert time.monotonic() - t0 < 0.25, f"expected no delay through {proxy.name} after the heal"
+
+
+def test_loss_needs_the_lossy_path_and_with_it_both_proxies_lose_packets_until_healed() -> None:
+    from shared.devstack.netfault import LossPathUnavailableError
+    from tests.io.test_netfault import _SKIP_REASON
+
+    with DriverFaultPath() as plain:
+        with pytest.raises(LossPathUnavailableError):
+            plain.loss(5.0)
+    if _SKIP_REASON is not None:
+        pytest.skip(f"no lossy path here: {_SKIP_REASON}")
+    with DriverFaultPath(loss_path=True) as lossy:
+        assert [p.loss_unavailable for p in lossy.proxies] == [None, None]
+        lossy.loss(5.0)
+        assert [p.loss_percent for p in lossy.proxies] == [5.0, 5.0]
+        lossy.heal()
+        assert [p.loss_percent for p in lossy.proxies] == [0.0, 0.0]
