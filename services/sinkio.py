@@ -749,12 +749,15 @@ class ControlProducer:
                 self.producer.poll(0.05)
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        from shared.errors import KafkaAdapterError
+        """Wait until every message sent is delivered: :class:`KafkaTimeoutError` when some
+        are still pending after ``timeout_s``, :class:`KafkaDeliveryError` when any failed
+        (both transient: the caller's step fails and is retried)."""
+        from shared.errors import KafkaDeliveryError, KafkaTimeoutError
 
         deadline = time.monotonic() + timeout_s
         while self.producer.flush(0.5) > 0:
             if time.monotonic() > deadline:
-                raise KafkaAdapterError(f"expected control messages delivered within {timeout_s}s, found some pending")
+                raise KafkaTimeoutError(f"expected control messages delivered within {timeout_s}s, found some pending")
         if self._errors:
             errs, self._errors = self._errors, []
-            raise KafkaAdapterError(f"expected control messages delivered, found errors: {errs[:3]}")
+            raise KafkaDeliveryError(f"expected control messages delivered, found errors: {errs[:3]}")

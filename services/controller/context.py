@@ -40,7 +40,7 @@ from services.sinkio import ControlProducer
 from shared.catalog import Catalog, CatalogState, CollectionDef
 from shared.codec import message_codec, tagged
 from shared.controller_state import Capabilities, ControllerSection, error_kind
-from shared.errors import ShardsinkError
+from shared.errors import KafkaAdapterError, KafkaDeliveryError, ShardsinkError
 from shared.frontier import Frontier
 from shared.objectstore import now_ms
 from shared.shard import Shard
@@ -50,6 +50,16 @@ log = logging.getLogger("shardsink")
 
 #: Logged responses larger than this go to an S3 object named in the log.
 _LOG_INLINE_MAX = 4096
+
+
+class AnswerUndelivered(KafkaDeliveryError):
+    """A command's answer is committed (its log entry and its change) but its delivery failed:
+    the controller recovers and sends ``responses`` (``(value, key)``) again; the answer is
+    never replaced by an error (the command took effect)."""
+
+    def __init__(self, message: str, responses: list[tuple[bytes, str | None]]) -> None:
+        super().__init__(message)
+        self.responses = responses
 
 
 class ControllerContext:
@@ -178,7 +188,11 @@ class ControllerContext:
             return new
 
         self.commit(t)
-        self.send(resp, command_id)
-        for v in extra or ():
-            self.send(v)
-        self.flush()
+        try:
+            self.send(resp, command_id)
+            for v in extra or ():
+                self.send(v)
+            self.flush()
+        except KafkaAdapterError as e:
+            raise AnswerUndelivered(f"the answer to command {command_id} was not delivered: {e}",
+                                    [(resp, command_id), *((v, None) for v in extra or ())]) from e

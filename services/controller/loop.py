@@ -58,7 +58,7 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
-from services.controller.context import ControllerContext, log
+from services.controller.context import AnswerUndelivered, ControllerContext, log
 from services.controller.model import Tick, heads_due
 from services.sinkio import ControlProducer
 from shared.catalog import Catalog, CatalogState, CollectionDef, FencedError
@@ -220,8 +220,8 @@ class CommandLoop:
             if handler is None:
                 raise CommandRejected("InvalidUsage", f"expected a known command kind, found {kind!r}")
             handler(command_id, body[1], where, off, value or b"")
-        except FencedError:
-            raise
+        except (FencedError, AnswerUndelivered):
+            raise  # fenced; or the command took effect and its answer is sent again after recovery
         except Exception as e:  # noqa: BLE001 - every failure is a typed Error response
             if not isinstance(e, (ShardsinkError, CommandRejected, ValueError)):
                 log.error("command %s (%s) failed: %r", command_id, kind, e, exc_info=True)

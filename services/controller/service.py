@@ -48,7 +48,7 @@ from typing import Any, Self
 
 from services.controller.capabilities import CapabilitiesRoom
 from services.controller.collections_sinks import CollectionsRoom
-from services.controller.context import ControllerContext, log
+from services.controller.context import AnswerUndelivered, ControllerContext, log
 from services.controller.frontiers import FrontiersRoom
 from services.controller.loop import _TRANSIENT, CommandLoop, Handler, TickStep
 from services.controller.maintenance import Maintenance, MaintenanceRoom
@@ -152,6 +152,9 @@ class Controller:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Answers committed whose delivery failed (:class:`AnswerUndelivered`), sent again
+        #: once recovery has a new producer.
+        self._unsent: list[tuple[bytes, str | None]] = []
 
     # -- the context's state ------------------------------------------------------------------
     @property
@@ -244,6 +247,8 @@ class Controller:
                     self.run()
                     return
                 except _TRANSIENT as e:
+                    if isinstance(e, AnswerUndelivered):
+                        self._unsent.extend(e.responses)
                     if self._stop.is_set():
                         return
                     log.warning("controller: transient failure, recovering again in %.1fs: %r", backoff, e)
@@ -267,6 +272,11 @@ class Controller:
         loop, ctx = self.loop, self.ctx
         try:
             loop.recover()
+            if self._unsent:  # answers committed before a delivery failure: sent again
+                for value, key in self._unsent:
+                    ctx.send(value, key)
+                ctx.flush()
+                self._unsent = []
             self._ready.set()
             tick_s = self.settings.tick_ms / 1000.0
             next_tick = time.monotonic()
@@ -289,7 +299,7 @@ class Controller:
                 next_tick = time.monotonic() + tick_s
                 try:
                     self.tick()
-                except FencedError:
+                except (FencedError, AnswerUndelivered):
                     raise
                 except Exception as e:  # noqa: BLE001 - a bad tick must not stop the loop
                     log.error("tick failed: %r", e, exc_info=True)

@@ -188,6 +188,33 @@ def test_controller_recovers_by_itself_when_s3_fails_during_recovery(stack: Embe
 
 
 @pytest.mark.timeout(300)
+def test_a_response_whose_delivery_fails_makes_the_controller_recover_not_stop(stack: EmbeddedStack) -> None:
+    """Every delivery of the responses producer fails (the broker refuses them) while a command
+    is served: the controller does not stop; it recovers with a new producer, answers the
+    command from its log, and serves the next ones."""
+    from confluent_kafka import Producer
+
+    from services.sinkio import ControlProducer
+    from shared.devstack.faults import _FaultyProducer
+
+    cs = controller_settings(stack)
+    ctl = Controller(cs).start()
+    client = client_for(cs)
+    try:
+        ok(client.call("CreateCollection", create_body("before")))
+        ctl.producer = ControlProducer(_FaultyProducer(Producer(cs.service.kafka.config()), 1.0, 0.0))
+        ok(client.call("CreateCollection", create_body("during"), timeout_s=120))
+        assert ctl.alive() and ctl.error is None, f"expected the controller to keep serving, found {ctl.error!r}"
+        ok(client.call("Append", append_body("during", [({"k": 1, "v": "a"}, 0, 1)], 1, expected=0)))
+        r = client.call("Peek", {"collection_id": "during", "as_of": 0})
+        assert peek_rows(r) == Counter({(1, "a"): 1})
+    finally:
+        ctl.stop()
+        client.close()
+    assert ctl.error is None
+
+
+@pytest.mark.timeout(300)
 def test_a_large_subscribe_step_completes_exactly_once_under_delivery_faults(stack: EmbeddedStack) -> None:
     """Subscribe output goes out in chunks; a failed chunk is counted on the topic and
     production goes on after what landed: a 12k-message step completes with 0.5% of
