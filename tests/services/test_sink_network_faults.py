@@ -27,26 +27,18 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from shared.devstack.embedded import EmbeddedStack
 from shared.devstack.netfault import FaultProxy
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import chaos  # noqa: E402
+from tests.services.steady_run import SteadyRun, chaos
 
 #: How long each partition lasts.
 PARTITION_S = 12.0
@@ -79,7 +71,7 @@ def test_sink_resumes_by_itself_after_s3_and_kafka_partitions_without_losing_or_
     from shared.catalog import SinkDef
     from shared.io.desired_producer import DesiredProducer
     from shared.io.kafka_admin import ensure_topic
-    from shared.shard import DIFF, TIME, Shard
+    from shared.shard import Shard
     from tests.controller_fixture import SCHEMA
 
     stack = net_stack
@@ -105,65 +97,22 @@ def test_sink_resumes_by_itself_after_s3_and_kafka_partitions_without_losing_or_
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    services = chaos.Service("services", [sys.executable, "-m", "services"], svc_env, logs)
     shard = Shard.open(clean.store(), collection)
-    recorder = chaos.StateRecorder(shard).start()  # every state, and when each upper was first seen
-    producer = DesiredProducer(clean.kafka, topic, SCHEMA)
-    workload = chaos.Workload(producer, random.Random(3232), PER_STEP)
-    stop = threading.Event()
-    bg_errors: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                workload.step()
-                stop.wait(max(0.0, 0.5 - (time.monotonic() - t0)))
-        except BaseException as e:  # noqa: BLE001 - surfaced by the test
-            bg_errors.append(e)
-
-    def check_running(what: str) -> None:
-        code = services.exited()
-        assert code is None, f"expected the services to keep running ({what}), found them exited with {code}:\n{tail()}"
-        assert not bg_errors, f"expected the workload to keep going ({what}), found {bg_errors[0]!r}"
-
-    def upper() -> int:
-        return recorder.reached[-1][1] if recorder.reached else 0
-
-    def wait_upper(target: int, timeout_s: float, what: str) -> float:
-        """Wait until the shard's upper reaches ``target``; the monotonic time it was seen."""
-        deadline = time.monotonic() + timeout_s
-        while upper() < target:
-            check_running(what)
-            assert time.monotonic() < deadline, (
-                f"expected the shard's upper to reach {target} within {timeout_s}s ({what}), found "
-                f"{upper()}\n{tail()}"
-            )
-            time.sleep(0.1)
-        return recorder.when(target) or time.monotonic()
-
-    def tail(lines: int = 60) -> str:
-        try:
-            text = (logs / "services.log").read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+    run_ = SteadyRun([sys.executable, "-m", "services"], svc_env, logs, shard,
+                     DesiredProducer(clean.kafka, topic, SCHEMA), 3232, PER_STEP)
+    wait_upper = run_.wait_upper
+    workload = run_.workload
 
     def partition(proxy: FaultProxy) -> dict[str, Any]:
         """Partition ``proxy`` for PARTITION_S, heal it, and time the sink's recovery. A lead-in
         of latency first keeps requests in flight, so the partition resets some."""
         proxy.latency(LEAD_IN_LATENCY_MS, jitter_ms=LEAD_IN_LATENCY_MS / 2)
-        t_lead_in = time.monotonic()
-        while time.monotonic() - t_lead_in < LEAD_IN_S:
-            check_running(f"{proxy.name} slowed")
-            time.sleep(0.1)
+        run_.hold(LEAD_IN_S, f"{proxy.name} slowed")
         resets_before = proxy.counters.resets
         proxy.partition()
         t_fault = time.monotonic()
-        while time.monotonic() - t_fault < PARTITION_S:
-            check_running(f"{proxy.name} partitioned")
-            time.sleep(0.2)
-        upper_at_heal, frontier_at_heal = upper(), workload.frontier
+        run_.hold(PARTITION_S, f"{proxy.name} partitioned")
+        upper_at_heal, frontier_at_heal = run_.upper(), workload.frontier
         proxy.heal()
         t_heal = time.monotonic()
         moved = wait_upper(upper_at_heal + 1, CATCH_UP_TIMEOUT_S, f"after the {proxy.name} heal")
@@ -179,46 +128,19 @@ def test_sink_resumes_by_itself_after_s3_and_kafka_partitions_without_losing_or_
         }
 
     faults: list[dict[str, Any]] = []
-    producer_thread = threading.Thread(target=produce, name="workload", daemon=True)
     t_run = time.monotonic()
     ok = False
     try:
-        services.start()
-        producer_thread.start()
+        run_.start()
         wait_upper(2 * chaos.STEP_TIMES, START_TIMEOUT_S, "first appends")
         wait_upper(workload.frontier, CATCH_UP_TIMEOUT_S, "in step before the faults")
         faults.append(partition(stack.s3_proxy))
         faults.append(partition(stack.kafka_proxy))
-        stop.set()
-        producer_thread.join(timeout=60)
-        check_running("after the faults")
-        final = workload.step()
-        wait_upper(final, CATCH_UP_TIMEOUT_S, "final convergence")
-        check_running("at the end")
-        time.sleep(2.0)  # late appends, if any, land now and are checked too
-        recorder.stop()
-        recorder.poll_once()
-
-        restarts = len(re.findall(r"query failed, restarting", (logs / "services.log").read_text(errors="replace")))
         summary: dict[str, Any] = {
             "faults": faults,
-            "query_restarts": restarts,
-            "updates": len(workload.sent),
             "proxies": {p.name: vars(p.counters) for p in (stack.s3_proxy, stack.kafka_proxy)},
         }
-        divergences: list[str] = []
-        chaos.check(summary, divergences, shard, recorder, workload, final, None, None, None, True)
-        # The shard at every upper it had equals the model (the checker samples them).
-        head = shard.refresh()
-        everything = shard.updates_between(head, 0, head.upper)
-        uppers = sorted({int(s.upper.time) for s in recorder.states.values() if s.upper.time})
-        for u in uppers:
-            at = everything.filter(pc.less(everything[TIME], pa.scalar(u, pa.uint64())))
-            got = chaos.table_rows(at.select(["k", "v", DIFF]))
-            want = chaos.model_at(workload.sent, u - 1)
-            if got != want:
-                divergences.append(f"expected the shard at upper {u} to equal the model: {chaos.differ(got, want)}")
-        summary["every_upper_checked"] = len(uppers)
+        divergences = run_.finish(CATCH_UP_TIMEOUT_S, summary)
         summary["seconds"] = round(time.monotonic() - t_run, 1)
         print(json.dumps(summary, default=str))
         assert divergences == [], divergences
@@ -229,9 +151,6 @@ def test_sink_resumes_by_itself_after_s3_and_kafka_partitions_without_losing_or_
             )
         ok = True
     finally:
-        stop.set()
-        recorder.stop()
-        services.kill()
-        producer.close()
+        run_.stop()
         if not ok:
-            print(f"faults so far: {faults}\n{tail(200)}", file=sys.stderr)
+            print(f"faults so far: {faults}\n{run_.tail(200)}", file=sys.stderr)

@@ -23,30 +23,23 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from shared.devstack.embedded import DriverFaultPath, EmbeddedStack, SparkStandalone
 from shared.io.desired_producer import DesiredProducer
 from shared.shard import Shard
 from tests.services.test_sink_crash import SCHEMA, UpperWatch, as_counter, diff_summary
+from tests.services.steady_run import REPO, SteadyRun, chaos
 from tests.services.test_write_recovery import SteadyWork
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import chaos  # noqa: E402
 
 WAIT_S = 300.0
 
@@ -194,7 +187,6 @@ def test_the_sink_on_a_standalone_cluster_resumes_after_a_partition_between_the_
     from shardsink.cli.catalog import create_collection
     from shared.catalog import SinkDef
     from shared.io.kafka_admin import ensure_topic
-    from shared.shard import DIFF, TIME
 
     cluster = standalone_cluster
     path = DriverFaultPath().start()
@@ -225,55 +217,15 @@ def test_the_sink_on_a_standalone_cluster_resumes_after_a_partition_between_the_
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    services = chaos.Service("services", [sys.executable, "-m", "services", "--sink", sid], env, logs)
     shard = Shard.open(settings.store(), cid)
-    recorder = chaos.StateRecorder(shard).start()
-    producer = DesiredProducer(settings.kafka, topic, SCHEMA)
-    workload = chaos.Workload(producer, random.Random(3233), 40)
-    stop = threading.Event()
-    bg_errors: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                workload.step()
-                stop.wait(max(0.0, 0.5 - (time.monotonic() - t0)))
-        except BaseException as e:  # noqa: BLE001 - surfaced by the test
-            bg_errors.append(e)
-
-    def tail(lines: int = 60) -> str:
-        try:
-            return "\n".join((logs / "services.log").read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def check_running(what: str) -> None:
-        code = services.exited()
-        assert code is None, f"expected the services to keep running ({what}), found them exited with {code}:\n{tail()}"
-        assert not bg_errors, f"expected the workload to keep going ({what}), found {bg_errors[0]!r}"
-
-    def upper() -> int:
-        return recorder.reached[-1][1] if recorder.reached else 0
-
-    def wait_upper(target: int, timeout_s: float, what: str) -> float:
-        """Wait until the shard's upper reaches ``target``; the monotonic time it was seen."""
-        deadline = time.monotonic() + timeout_s
-        while upper() < target:
-            check_running(what)
-            assert time.monotonic() < deadline, (
-                f"expected the shard's upper to reach {target} within {timeout_s}s ({what}), found {upper()}\n{tail()}"
-            )
-            time.sleep(0.1)
-        return recorder.when(target) or time.monotonic()
-
-    producer_thread = threading.Thread(target=produce, name="workload", daemon=True)
+    run_ = SteadyRun([sys.executable, "-m", "services", "--sink", sid], env, logs, shard,
+                     DesiredProducer(settings.kafka, topic, SCHEMA), 3233, 40)
+    wait_upper, workload = run_.wait_upper, run_.workload
     t_run = time.monotonic()
     ok = False
     fault: dict[str, Any] = {}
     try:
-        services.start()
-        producer_thread.start()
+        run_.start()
         wait_upper(2 * chaos.STEP_TIMES, WAIT_S, "first appends on the cluster")
         wait_upper(workload.frontier, CATCH_UP_S, "in step before the partition")
         before = cluster.executor_pids()
@@ -289,10 +241,8 @@ def test_the_sink_on_a_standalone_cluster_resumes_after_a_partition_between_the_
 
         path.partition()
         t_fault = time.monotonic()
-        while time.monotonic() - t_fault < DRIVER_PARTITION_S:
-            check_running("driver partitioned from the executors")
-            time.sleep(0.2)
-        upper_at_heal, frontier_at_heal = upper(), workload.frontier
+        run_.hold(DRIVER_PARTITION_S, "driver partitioned from the executors")
+        upper_at_heal, frontier_at_heal = run_.upper(), workload.frontier
         ended = [pid for pid in before if pid not in cluster.executor_pids()]
         path.heal()
         t_heal = time.monotonic()
@@ -300,15 +250,6 @@ def test_the_sink_on_a_standalone_cluster_resumes_after_a_partition_between_the_
         caught_up = wait_upper(frontier_at_heal, CATCH_UP_S, "catching up after the heal")
         wait_upper(workload.frontier, CATCH_UP_S, "in step after the heal")
 
-        stop.set()
-        producer_thread.join(timeout=60)
-        check_running("after the partition")
-        final = workload.step()
-        wait_upper(final, CATCH_UP_S, "final convergence")
-        check_running("at the end")
-        time.sleep(2.0)  # late appends, if any, land now and are checked too
-        recorder.stop()
-        recorder.poll_once()
         deadline = time.monotonic() + CATCH_UP_S  # the executors that could not connect are gone
         while len(now := cluster.executor_pids()) != 2 or set(now) & set(before):
             assert time.monotonic() < deadline, f"expected two new executors, found {now} (before: {before})"
@@ -327,26 +268,12 @@ def test_the_sink_on_a_standalone_cluster_resumes_after_a_partition_between_the_
             "heal_to_upper_s": round(moved - t_heal, 2),
             "heal_to_caught_up_s": round(caught_up - t_heal, 2),
         }
-        service_log = (logs / "services.log").read_text(errors="replace")
         summary: dict[str, Any] = {
             "faults": [fault],
-            "query_restarts": len(re.findall(r"query failed, restarting", service_log)),
-            "updates": len(workload.sent),
             "proxies": path.counters(),
             "executors_now": now,
         }
-        divergences: list[str] = []
-        chaos.check(summary, divergences, shard, recorder, workload, final, None, None, None, True)
-        head = shard.refresh()
-        everything = shard.updates_between(head, 0, head.upper)
-        uppers = sorted({int(s.upper.time) for s in recorder.states.values() if s.upper.time})
-        for u in uppers:
-            at = everything.filter(pc.less(everything[TIME], pa.scalar(u, pa.uint64())))
-            got = chaos.table_rows(at.select(["k", "v", DIFF]))
-            want = chaos.model_at(workload.sent, u - 1)
-            if got != want:
-                divergences.append(f"expected the shard at upper {u} to equal the model: {chaos.differ(got, want)}")
-        summary["every_upper_checked"] = len(uppers)
+        divergences = run_.finish(CATCH_UP_S, summary)
         summary["seconds"] = round(time.monotonic() - t_run, 1)
         print(json.dumps(summary, default=str))
         assert divergences == [], divergences
@@ -361,10 +288,7 @@ def test_the_sink_on_a_standalone_cluster_resumes_after_a_partition_between_the_
         )
         ok = True
     finally:
-        stop.set()
-        recorder.stop()
-        services.kill()
-        producer.close()
+        run_.stop()
         path.stop()
         if not ok:
-            print(f"fault: {fault}\n{tail(200)}", file=sys.stderr)
+            print(f"fault: {fault}\n{run_.tail(200)}", file=sys.stderr)
