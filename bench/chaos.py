@@ -107,8 +107,9 @@ NETWORK_FAULTS = (("partition", "s3"), ("partition", "kafka"), ("blackhole", "ka
 DRIVER_NETWORK_FAULTS = (("partition", "driver"), ("blackhole", "driver"), ("latency", "driver"), ("loss", "driver"))
 #: Network faults of a full campaign and of a quick one.
 FULL_NETWORK_FAULTS, QUICK_NETWORK_FAULTS = 30, 3
-#: A latency fault's delay per chunk, and its jitter (ms).
-LATENCY_MS, LATENCY_JITTER_MS = 80.0, 60.0
+#: A latency fault's delay per chunk, and its jitter (ms): each way, so a round trip gains
+#: 200 ms on average (issue 32: "200 ms of added latency with jitter").
+LATENCY_MS, LATENCY_JITTER_MS = 100.0, 50.0
 #: A loss fault's share of the packets dropped, each direction (%).
 LOSS_PERCENT = 5.0
 #: How long a partition lasts in a full campaign (issue 32: "a partition of 30 s").
