@@ -89,7 +89,7 @@ from shared.shard import DIFF, ERROR, TIME
 from shared.state import ShardState
 
 #: Subscribe output is produced in chunks of this many messages (see produce_step), and a
-#: step gives up for this tick after this many failed chunks.
+#: step gives up for this tick after this many failed chunks in a row that landed nothing.
 _SUB_CHUNK = 1000
 #: After a chunk that was not delivered in full the next ones are a quarter as large (down
 #: to this), and each one delivered in full doubles the size again (up to ``_SUB_CHUNK``):
@@ -334,8 +334,8 @@ class SubscribesRoom:
         counted and production goes on after them (the module docstring's a-c; a chunk that
         failed definitely keeps its producer and is only counted). So a failure
         costs a re-count of one chunk, not of the whole step, and a large step still completes
-        when deliveries fail now and then. After ``_SUB_FAILURES`` ambiguous chunks the error
-        is raised; the next tick resumes from the recorded intent. Whenever this returns or
+        when deliveries fail now and then. After ``_SUB_FAILURES`` ambiguous chunks in a row
+        that landed nothing the error is raised; the next tick resumes from the recorded intent. Whenever this returns or
         raises, nothing it produced is still in flight. With ``budget_s``, once that long has
         passed after a chunk delivered in full, :class:`_StepPaused` is raised with the rest.
         """
@@ -361,6 +361,7 @@ class SubscribesRoom:
                     chunk = []
                     pos = max(pos, last + 1)
                     delivered = True
+                    failures = 0
                     size = min(_SUB_CHUNK, size * 2)
                     continue
                 if not definite:
@@ -371,7 +372,7 @@ class SubscribesRoom:
                 failures += 1
                 if failures >= _SUB_FAILURES:
                     raise KafkaAdapterError(
-                        f"expected subscribe {sid} output delivered to {topic}, found {failures} failed chunks, "
+                        f"expected subscribe {sid} output delivered to {topic}, found {failures} failed chunks in a row, "
                         f"the last: {problem}", topic=topic, subscribe_id=sid,
                     )
                 log.warning("subscribe %s: a chunk to %s was not delivered in full (%s): counting what landed",
@@ -379,6 +380,8 @@ class SubscribesRoom:
                 if not definite:
                     self._settle_end(topic)  # b.
                 landed, pos = self.count_on_topic(topic, sid, pos)  # c.
+                if landed:
+                    failures = 0  # progress: only chunks in a row that land nothing give up
                 chunk = chunk[landed:]
                 size = max(_SUB_MIN_CHUNK, size // 4)
                 if len(chunk) > size:  # the rest of the chunk goes out in smaller ones, in order
