@@ -531,7 +531,11 @@ class SubscribesRoom:
         if end <= start:
             return 0, start
         if self._counter is None:  # kept: a count after each ambiguous chunk, often many a minute
-            self._counter = new_consumer(self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest"})
+            # Fetches wait 10 ms at most: one in flight when ``tail`` deletes the topic would
+            # crash the controller (see shared/io/kafka.py, "a fetch that outlives its topic").
+            self._counter = new_consumer(
+                self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"}
+            )
         c = self._counter
         n = 0
         try:

@@ -149,3 +149,31 @@ def test_unreachable_brokers_are_typed_as_unavailable_and_clients_reconnect_with
     assert isinstance(other, KafkaAdapterError) and not isinstance(other, KafkaUnavailableError)
     assert KafkaSettings("b:9092").config()["reconnect.backoff.max.ms"] == "1000"
     assert KafkaSettings.of("b:9092", {"reconnect.backoff.max.ms": "5000"}).config()["reconnect.backoff.max.ms"] == "5000"
+
+
+def test_offsets_of_a_deleted_topic_are_typed_unknown(stack: EmbeddedStack, unique_id: str) -> None:
+    """ListOffsets goes through the probe's consumer (no admin client): latest and earliest
+    for many partitions at once; a topic deleted (or never created) is an
+    :class:`UnknownTopicError`, typed, at once.
+
+    The probe that fetched from the topic is closed before the deletion: on the embedded broker
+    a fetch answered after its topic was deleted crashes librdkafka (see ``shared/io/kafka.py``,
+    "a fetch that outlives its topic")."""
+    bs = stack.bootstrap_servers
+    topic = f"gone-{unique_id}"
+    create_topic(bs, topic, 2)
+    produce_batches(bs, topic, 0, [3])
+    s = KafkaSettings.of(bs)
+    with OffsetProbe(s, timeout_s=10) as probe:
+        assert probe.end_offsets(topic) == {0: 3, 1: 0}
+        assert probe.start_offsets(topic) == {0: 0, 1: 0}
+        wm = probe.watermarks([(topic, 0), (topic, 1)])
+        assert 1 <= wm[(topic, 0)] <= 3 and wm[(topic, 1)] == 0  # Tansu: at most the true end
+    admin = AdminClient({"bootstrap.servers": bs})  # held until the answer
+    admin.delete_topics([topic])[topic].result(timeout=30)
+    with OffsetProbe(s, timeout_s=10) as probe:
+        for earliest in (False, True):
+            with pytest.raises(UnknownTopicError):
+                probe.watermarks([(topic, 0), (topic, 1)], earliest=earliest)
+        with pytest.raises(UnknownTopicError):
+            probe.watermarks([(f"never-{unique_id}", 0)])
