@@ -593,36 +593,25 @@ def read_latest_progress(
     is read whole, from its first offset still on the topic (retention may have deleted the
     start of a range mint left unread for long). A producer that breaks the contract with a
     statement below an earlier one in the same range can only make mint's frontier lag until
-    the next statement: minting less is always safe."""
-    windows = _tail_windows(kafka, topic, partition, start, end, skip_prefix)
-    if not windows:
-        return _empty_raw()
-    return pa.concat_tables([raw for raw, _ in reversed(windows)])
+    the next statement: minting less is always safe. One range of
+    :func:`read_latest_progress_of`."""
+    return read_latest_progress_of(kafka, topic, {partition: (start, end)}, skip_prefix)
 
 
-def _tail_windows(
-    kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
-) -> list[tuple[pa.Table, pa.Table]]:
-    """The windows of :func:`read_latest_progress`, raw and decoded, in the order read (from
-    the end back): only the last one read can hold a progress statement."""
-    from shared.spark.kafka_source import read_range
-
-    windows: list[tuple[pa.Table, pa.Table]] = []
-    hi, size = end, LATEST_PROGRESS_WINDOW
-    while hi > start:
-        lo = max(start, hi - size)
-        # Values and offsets are all the decode needs: no keys, timestamps or headers built.
-        got = [b.select(["topic", "partition", "offset", "value"])
-               for b in read_range(kafka, topic, partition, lo, hi, skip_prefix=skip_prefix,
-                                   fail_on_data_loss=False, values_only=True)]
-        if got:
-            window = pa.Table.from_batches(got)
-            decoded = decode_on_driver(window, topic, progress_only=True)
-            windows.append((window, decoded))
-            if decoded.num_rows and KIND_PROGRESS in decoded["kind"].to_pylist():
-                break
-        hi, size = lo, size * 4
-    return windows
+def read_latest_progress_of(
+    kafka: Any, topic: str, ranges: Mapping[int, tuple[int, int]], skip_prefix: bytes | None
+) -> pa.Table:
+    """:func:`read_latest_progress` of several partitions of ``topic`` (``{partition: (start,
+    end)}``), their windows read together (:func:`_progress_windows`), sorted by partition
+    then offset; the first range's error is raised."""
+    order = sorted(ranges)
+    found = _progress_windows(kafka, [(topic, p, *ranges[p]) for p in order], skip_prefix)
+    tables: list[pa.Table] = []
+    for got in found:
+        if isinstance(got, Exception):
+            raise got
+        tables += [raw for raw, _ in reversed(got)]
+    return pa.concat_tables(tables) if tables else _empty_raw()
 
 
 def latest_progress_record(
@@ -641,21 +630,45 @@ def latest_progress_records(
     kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
 ) -> list[tuple[int, bytes] | None | Exception]:
     """The offset and value of the latest progress statement of each ``(topic, partition,
-    start, end)`` (None: the range holds none; :func:`read_latest_progress`'s windows back from
-    the range's end), or the error of that range alone; the ranges' windows read together, round after round
-    (:func:`shared.spark.kafka_ranges.read_ranges`: one consumer and one assignment for all,
-    where one read a range costs an assignment, which waits for librdkafka holding the GIL)."""
+    start, end)`` (None: the range holds none), or the error of that range alone, from
+    :func:`_progress_windows`."""
+    out: list[tuple[int, bytes] | None | Exception] = []
+    for got in _progress_windows(kafka, ranges, skip_prefix):
+        if isinstance(got, Exception) or not got:
+            out.append(got if isinstance(got, Exception) else None)
+            continue
+        window, decoded = got[-1]  # only the last window read can hold a statement
+        offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
+                   if k == KIND_PROGRESS]
+        if not offsets:
+            out.append(None)
+            continue
+        last = max(offsets)
+        out.append((last, dict(zip(window["offset"].to_pylist(), window["value"].to_pylist(), strict=True))[last]))
+    return out
+
+
+def _progress_windows(
+    kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
+) -> list[list[tuple[pa.Table, pa.Table]] | Exception]:
+    """Per ``(topic, partition, start, end)``, the windows :func:`read_latest_progress` reads
+    back from the range's end, raw and decoded, in the order read (only the last one read can
+    hold a progress statement); or the error of that range alone. Every range's windows are
+    read together, round after round (:func:`shared.spark.kafka_ranges.read_ranges`: one
+    consumer and one assignment for all, where one read a range costs an assignment, which
+    waits for librdkafka holding the GIL)."""
     from shared.errors import ShardsinkError
     from shared.spark.kafka_ranges import Range
     from shared.spark.kafka_ranges import read_ranges as read_together
     from shared.spark.kafka_source import _arrow_schema
 
     schema = _arrow_schema()
-    out: list[tuple[int, bytes] | None | Exception] = [None] * len(ranges)
+    out: list[list[tuple[pa.Table, pa.Table]] | Exception] = [[] for _ in ranges]
     todo = {i: (r[3], LATEST_PROGRESS_WINDOW) for i, r in enumerate(ranges) if r[3] > r[2]}  # the window's end, size
     while todo:
         idx = sorted(todo)
         specs = [Range(ranges[i][0], ranges[i][1], max(ranges[i][2], todo[i][0] - todo[i][1]), todo[i][0]) for i in idx]
+        # Values and offsets are all the decode needs: no keys, timestamps or headers built.
         got = read_together(kafka, specs, schema=schema, fail_on_data_loss=False, values_only=True,
                             skip_prefixes={r.topic: skip_prefix for r in specs} if skip_prefix is not None else None)
         more: dict[int, tuple[int, int]] = {}
@@ -663,14 +676,13 @@ def latest_progress_records(
             if isinstance(batches, Exception):
                 out[i] = batches if isinstance(batches, ShardsinkError) else ShardsinkError(str(batches))
                 continue
+            windows = out[i]
+            assert isinstance(windows, list)
             if batches:
                 window = pa.Table.from_batches([b.select(["topic", "partition", "offset", "value"]) for b in batches])
                 decoded = decode_on_driver(window, r.topic, progress_only=True)
-                offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
-                           if k == KIND_PROGRESS]
-                if offsets:
-                    last = max(offsets)
-                    out[i] = (last, dict(zip(window["offset"].to_pylist(), window["value"].to_pylist(), strict=True))[last])
+                windows.append((window, decoded))
+                if KIND_PROGRESS in decoded["kind"].to_pylist():
                     continue
             if r.start > ranges[i][2]:
                 more[i] = (r.start, todo[i][1] * 4)

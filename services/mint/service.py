@@ -60,7 +60,7 @@ from services.sinkio import (
     collect_decoded,
     decode_on_driver,
     planned_ranges,
-    read_latest_progress,
+    read_latest_progress_of,
     read_ranges_on_driver,
     u64,
 )
@@ -279,8 +279,7 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
     ours = _connector(None) != "builtin"
 
     def read_unread(unread: dict[int, tuple[int, int]]) -> pa.Table:
-        raw = pa.concat_tables([read_latest_progress(settings.kafka, desired_topic, p, a, b, update_prefix)
-                                for p, (a, b) in sorted(unread.items())])
+        raw = read_latest_progress_of(settings.kafka, desired_topic, unread, update_prefix)
         return decode_on_driver(raw, desired_topic, progress_only=True)
 
     def each(batch_df: Any, batch_id: int) -> None:

@@ -42,7 +42,7 @@ from services.sinkio import (
     decode_on_driver,
     latest_progress_records,
     planned_ranges,
-    read_latest_progress,
+    read_latest_progress_of,
     read_ranges_on_driver,
 )
 from shared.codec import message_codec
@@ -204,7 +204,7 @@ class SharedMint:
                 topic = sink.desired_topic
 
                 def read_unread(ur: dict[int, tuple[int, int]]) -> pa.Table:
-                    got = pa.concat_tables([read_latest_progress(s.kafka, topic, p, a, b, prefix) for p, (a, b) in sorted(ur.items())])
+                    got = read_latest_progress_of(s.kafka, topic, ur, prefix)
                     return decode_on_driver(got, topic, progress_only=True)
 
                 if first:

@@ -86,20 +86,20 @@ def test_the_tail_read_learns_the_same_frontier_as_reading_every_record(
 def test_the_tail_read_reads_a_few_windows_not_the_range(
     history: tuple[KafkaSettings, str, list[bytes]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Records the broker hands out, counted at read_range: the closing statement sits 10
-    records before the end, so one window of the default size finds it."""
+    """Records the broker hands out, counted at the ranges reader: the closing statement sits
+    10 records before the end, so one window of the default size finds it."""
     kafka, topic, values = history
     n = len(values)
     windows: list[tuple[int, int]] = []
-    import shared.spark.kafka_source as sk
+    import shared.spark.kafka_ranges as kr
 
-    orig = sk.read_range
+    orig = kr.read_ranges
 
-    def counting(k, t, p, lo, hi, **kw):  # type: ignore[no-untyped-def]
-        windows.append((lo, hi))
-        return orig(k, t, p, lo, hi, **kw)
+    def counting(k, ranges, **kw):  # type: ignore[no-untyped-def]
+        windows.extend((r.start, r.end) for r in ranges)
+        return orig(k, ranges, **kw)
 
-    monkeypatch.setattr(sk, "read_range", counting)
+    monkeypatch.setattr(kr, "read_ranges", counting)
     tail = read_latest_progress(kafka, topic, 0, 0, n, UPDATE_PREFIX)
     assert windows == [(n - sinkio.LATEST_PROGRESS_WINDOW, n)]
     assert frontier_of(tail, topic) == Frontier.empty()
