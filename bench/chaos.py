@@ -904,23 +904,25 @@ def main(argv: list[str] | None = None) -> int:
             dropped_before = [p.loss_counters() for p in proxies if p is not None]
             t0 = time.monotonic()
             ledger.fault_began(time.time())
-            for proxy in proxies:
-                assert proxy is not None
+            # The driver's path is faulted as a whole (DriverFaultPath: both of its proxies),
+            # the others proxy by proxy; both answer the same five calls.
+            targets: list[Any] = [driver_path] if path == "driver" else list(proxies)
+            for target in targets:
+                assert target is not None
                 if fault == "partition":
-                    proxy.partition()
+                    target.partition()
                 elif fault == "blackhole":
-                    proxy.blackhole()
+                    target.blackhole()
                 elif fault == "loss":
-                    proxy.loss(LOSS_PERCENT)
+                    target.loss(LOSS_PERCENT)
                 else:
-                    proxy.latency(LATENCY_MS, LATENCY_JITTER_MS)
+                    target.latency(LATENCY_MS, LATENCY_JITTER_MS)
             while time.monotonic() - t0 < seconds:
                 reap()
                 time.sleep(0.1)
             at_heal = recorder.reached[-1][1] if recorder.reached else 0
-            for proxy in proxies:
-                assert proxy is not None
-                proxy.heal()
+            for target in targets:
+                target.heal()
             t_heal = time.monotonic()
             ledger.fault_healed(time.time())
             if not wait_upper(at_heal + 1, 300, f"after healing the {fault} of {path}"):
