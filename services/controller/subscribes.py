@@ -269,8 +269,8 @@ class SubscribesRoom:
             self._probe.partitions_of(sub["topic"])
             msgs = self._step_messages(sid, sub, to, bool(emitting.get("final")), emitting.get("lower_kind"))
             start = int(emitting["offset"])
-            self._settle_end(sub["topic"])  # what an earlier producer left on the wire lands first
-            if self._produce(sid, sub["topic"], msgs, self.count_on_topic(sub["topic"], sid, start), emitting):
+            end = self._settle_end(sub["topic"])  # what an earlier producer left on the wire lands first
+            if self._produce(sid, sub["topic"], msgs, self.count_on_topic(sub["topic"], sid, start, end), emitting):
                 self._finish_step(sid, to, bool(emitting.get("final")))
             return
         st = heads.get(cid)
@@ -377,9 +377,8 @@ class SubscribesRoom:
                     )
                 log.warning("subscribe %s: a chunk to %s was not delivered in full (%s): counting what landed",
                             sid, topic, problem)
-                if not definite:
-                    self._settle_end(topic)  # b.
-                landed, pos = self.count_on_topic(topic, sid, pos)  # c.
+                settled = self._settle_end(topic) if not definite else None  # b.
+                landed, pos = self.count_on_topic(topic, sid, pos, settled)  # c.
                 if landed:
                     failures = 0  # progress: only chunks in a row that land nothing give up
                 chunk = chunk[landed:]
@@ -443,10 +442,11 @@ class SubscribesRoom:
         finally:
             out.close()
 
-    def _settle_end(self, topic: str) -> None:
+    def _settle_end(self, topic: str) -> int:
         """Wait until the end of ``topic``/0 holds still for ``settle_s`` (at most
         ``_SUB_SETTLE_MAX_S``): a request already on the wire when its producer closed lands
-        before the count."""
+        before the count. Returns the end last read (the count's, which need not read it
+        again)."""
         if self._probe is None:
             self._probe = OffsetProbe(self.ctx.settings.service.kafka)
         deadline = time.monotonic() + _SUB_SETTLE_MAX_S
@@ -455,8 +455,9 @@ class SubscribesRoom:
             time.sleep(self.settle_s)
             again = self._probe.ends([(topic, 0)])[(topic, 0)]
             if again == end:
-                return
+                return end
             end = again
+        return end
 
     def _step_messages(self, sid: str, sub: dict[str, Any], to: Frontier, final: bool,
                        lower_kind: str | None) -> Iterable[bytes]:
@@ -522,12 +523,14 @@ class SubscribesRoom:
                     zip(bad_times, bad[DIFF].to_pylist(), bad[ERROR].to_pylist(), strict=True)]
         return out
 
-    def count_on_topic(self, topic: str, sid: str, start: int) -> tuple[int, int]:
+    def count_on_topic(self, topic: str, sid: str, start: int, end: int | None = None) -> tuple[int, int]:
         """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset
-        ``start``, and the offset up to which they were counted."""
-        if self._probe is None:
-            self._probe = OffsetProbe(self.ctx.settings.service.kafka)
-        end = self._probe.ends([(topic, 0)])[(topic, 0)]
+        ``start`` up to ``end`` (the partition's end, read now when not given), and the offset
+        up to which they were counted."""
+        if end is None:
+            if self._probe is None:
+                self._probe = OffsetProbe(self.ctx.settings.service.kafka)
+            end = self._probe.ends([(topic, 0)])[(topic, 0)]
         if end <= start:
             return 0, start
         if self._counter is None:  # kept: a count after each ambiguous chunk, often many a minute
