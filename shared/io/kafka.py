@@ -46,18 +46,25 @@ watermark has not moved since the last probe has not received a new batch (on Ta
 moves the answer to its own base offset + 1, which is beyond the old one), so its cached end is
 reused; only partitions whose watermark moved are fetched, all in one ``assign()``.
 
+ListOffsets goes through an ``AdminClient`` (one per probe, kept): a partition without a known
+leader (the broker unreachable) is librdkafka's ``_NOENT`` "No leaders found", a transient
+:class:`KafkaUnavailableError`. The consumer's ``offsets_for_times`` (-1/-2) gives the same
+answers in the steady state, but answers a partition whose leader is unknown with
+``_UNKNOWN_PARTITION``, also for a while after the broker is back, which reads as "the topic
+is gone": tried, it ended subscribes and failed the fault campaign.
+
 A fetch that outlives its topic (the embedded broker and librdkafka)
 --------------------------------------------------------------------
-A Fetch (v16) that Tansu answers after its topic was deleted carries a leader hint (KIP-951)
-for a topic id of zeros; librdkafka (every version tried, 2.8 to 2.16) then looks the topic up
-by a null name and the process dies (SIGSEGV in ``rd_kafka_metadata_update_op``). Measured: a
-consumer that fetched from a topic, ``unassign()``, the topic deleted within the fetch's
+A Fetch (v13+) that Tansu 0.6 answers for a topic id it no longer has (the topic deleted, or
+deleted and re-created, while the fetch waited) carries a leader hint (KIP-951) for a topic id
+of zeros; librdkafka (every version tried, 2.8 to 2.16) then looks the topic up by a null name
+and the process dies (SIGSEGV in ``rd_kafka_metadata_update_op``). Measured: a consumer that
+fetched from a topic, ``unassign()``, the topic deleted within the fetch's
 ``fetch.wait.max.ms``: three crashes in three runs; a consumer closed before the deletion, or
-one that only asked ListOffsets: none. So a client that reads a topic is closed (or has been
-idle for longer than its ``fetch.wait.max.ms``) before the topic is deleted: ``shardsink
-tail`` closes its consumer before deleting its output topic, the controller's count consumer
-waits at most 10 ms per fetch, and tests close their probes first. The probe asks ListOffsets
-through its consumer (``offsets_for_times``), not an ``AdminClient``, which has no ``close``.
+one that only asked ListOffsets: none. So a client that reads a topic is closed (or idle for
+longer than its ``fetch.wait.max.ms``) before the topic is deleted: ``shardsink tail`` closes
+its consumer before deleting its output topic, and the controller's count consumer waits at
+most 10 ms per fetch. Real Kafka answers such a fetch with the topic's own id.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ from types import TracebackType
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
 from shared.errors import (
     KafkaAdapterError,
@@ -286,8 +295,6 @@ def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -
 #: How long the broker holds a fetch of :meth:`OffsetProbe.await_records` that finds no record.
 WATCH_FETCH_WAIT_MS = 100
 #: The probe's consumer: fetches the partitions' last batches and answers at their end.
-#: ListOffsets timestamps: the partition's end (latest) and its first available offset.
-_LATEST, _EARLIEST = -1, -2
 _PROBE_CONSUMER = {"enable.partition.eof": "true", "auto.offset.reset": "error", "fetch.wait.max.ms": "10"}
 #: The watcher's consumer (:meth:`OffsetProbe.await_records`): fetches wait at the broker.
 _WATCH_CONSUMER = {"enable.partition.eof": "false", "auto.offset.reset": "latest",
@@ -306,15 +313,14 @@ class PartitionEnd:
 class OffsetProbe:
     """Long-lived partition discovery and end-offset probe (see the module docstring).
 
-    Holds two consumers (no admin client: ListOffsets goes through the consumer's
-    ``offsets_for_times``, see :meth:`watermarks`); ``close()`` (or a ``with`` block) releases
-    them.
+    Holds one consumer and one admin client; ``close()`` (or a ``with`` block) releases them.
     Not thread-safe. The cache is per instance: a Spark source keeps one on its driver side.
     """
 
     settings: KafkaSettings
     timeout_s: float = 30.0
     _consumer: Consumer | None = field(default=None, init=False, repr=False)
+    _admin: AdminClient | None = field(default=None, init=False, repr=False)
     _watcher: Consumer | None = field(default=None, init=False, repr=False)
     _ends: dict[tuple[str, int], PartitionEnd] = field(default_factory=dict, init=False, repr=False)
     #: Ends that fetches of :meth:`await_records` saw (true ends when fetched; an end only grows).
@@ -328,6 +334,14 @@ class OffsetProbe:
             self._consumer = new_consumer(self.settings, **_PROBE_CONSUMER)
         return self._consumer
 
+    def _a(self) -> AdminClient:
+        if self._admin is None:
+            try:
+                self._admin = AdminClient(self.settings.config())
+            except (KafkaException, ValueError) as e:
+                raise translate(e, "creating a Kafka admin client") from e
+        return self._admin
+
     def _w(self) -> Consumer:
         if self._watcher is None:
             self._watcher = new_consumer(self.settings, **_WATCH_CONSUMER)
@@ -338,6 +352,7 @@ class OffsetProbe:
             if c is not None:
                 c.close()
         self._consumer = self._watcher = None
+        self._admin = None
 
     def __enter__(self) -> OffsetProbe:
         return self
@@ -371,28 +386,16 @@ class OffsetProbe:
 
     def watermarks(self, tps: Iterable[tuple[str, int]], earliest: bool = False) -> dict[tuple[str, int], int]:
         """ListOffsets (latest, or earliest) for many partitions in one request. Latest
-        under-reports on Tansu: use :meth:`end_offsets` for the end.
-
-        Asked through the probe consumer's ``offsets_for_times`` with the special timestamps
-        -1 (latest) and -2 (earliest), which librdkafka sends as one ListOffsets request per
-        leader, as ``AdminClient.list_offsets`` does (same answers on the embedded broker). The
-        admin client is not used: a fresh one per probe (the mint's first micro-batch of a
-        checkpoint) crashed the process once inside ``list_offsets`` (SIGSEGV, librdkafka
-        2.16.0), and an ``AdminClient`` has no ``close``: it is released only by the GC."""
-        stamp = _LATEST if not earliest else _EARLIEST
-        req = [TopicPartition(t, p, stamp) for t, p in tps]
+        under-reports on Tansu: use :meth:`end_offsets` for the end."""
+        spec = OffsetSpec.earliest() if earliest else OffsetSpec.latest()  # type: ignore[no-untyped-call]
+        req = {TopicPartition(t, p): spec for t, p in tps}
         if not req:
             return {}
         try:
-            got = self._c().offsets_for_times(req, timeout=self.timeout_s)
+            futs = self._a().list_offsets(req, request_timeout=self.timeout_s)
+            return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futs.items()}
         except KafkaException as e:
             raise translate(e, "listing offsets") from e
-        out: dict[tuple[str, int], int] = {}
-        for tp in got:
-            if tp.error is not None:
-                raise translate(KafkaException(tp.error), f"listing offsets of {tp.topic}[{tp.partition}]")
-            out[(str(tp.topic), int(tp.partition))] = int(tp.offset)
-        return out
 
     def start_offsets(self, topic: str) -> dict[int, int]:
         """The first available offset of every partition of ``topic`` (0 unless retention

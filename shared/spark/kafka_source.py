@@ -66,7 +66,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -336,20 +336,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._partitions[topic] = (now, parts)
         return parts
 
-    def _per_partition(
-        self, topics: Iterable[str], ask: Callable[[list[tuple[str, int]]], dict[tuple[str, int], int]]
-    ) -> dict[tuple[str, int], int]:
-        """``ask`` for every known partition of ``topics``; a topic deleted since its partitions
-        were looked up is looked up again (and then has none) instead of failing the query."""
-        try:
-            return ask([(t, p) for t in topics for p in self._parts(t)])
-        except UnknownTopicError:
-            self._partitions.clear()
-            return ask([(t, p) for t in topics for p in self._parts(t)])
-
     def latest_ends(self) -> Offsets:
         """The true end of every partition of every topic."""
-        ends = self._per_partition(self.options.topics, self._p().ends)
+        tps = [(t, p) for t in self.options.topics for p in self._parts(t)]
+        ends = self._p().ends(tps)
         out: Offsets = {t: {} for t in self.options.topics}
         for (t, p), e in ends.items():
             out[t][p] = e
@@ -400,7 +390,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         topics = self.options.history_gap_topics
         if not topics:
             return out
-        for (t, p), o in self._per_partition(topics, lambda tps: self._p().watermarks(tps, earliest=True)).items():
+        tps = [(t, p) for t in topics for p in self._parts(t)]
+        for (t, p), o in self._p().watermarks(tps, earliest=True).items():
             out.setdefault(t, {})[p] = o
         path = self.options.simulated_low_watermarks_file
         if path and os.path.exists(path):

@@ -4,6 +4,8 @@ are right on the embedded Tansu broker (whose ListOffsets under-reports the end)
 from __future__ import annotations
 
 
+import time
+
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -151,29 +153,31 @@ def test_unreachable_brokers_are_typed_as_unavailable_and_clients_reconnect_with
     assert KafkaSettings.of("b:9092", {"reconnect.backoff.max.ms": "5000"}).config()["reconnect.backoff.max.ms"] == "5000"
 
 
-def test_offsets_of_a_deleted_topic_are_typed_unknown(stack: EmbeddedStack, unique_id: str) -> None:
-    """ListOffsets goes through the probe's consumer (no admin client): latest and earliest
-    for many partitions at once; a topic deleted (or never created) is an
-    :class:`UnknownTopicError`, typed, at once.
+def test_offsets_asked_during_a_kafka_partition_are_transient_and_answer_after_the_heal() -> None:
+    """ListOffsets while the broker is cut off (a partition: connections refused) is a
+    transient error the sources and the controller wait out, never "the topic is gone" (an
+    UnknownTopicError ends a subscribe); once healed, the same probe answers again."""
+    from shared.errors import KafkaTimeoutError, KafkaUnavailableError
 
-    The probe that fetched from the topic is closed before the deletion: on the embedded broker
-    a fetch answered after its topic was deleted crashes librdkafka (see ``shared/io/kafka.py``,
-    "a fetch that outlives its topic")."""
-    bs = stack.bootstrap_servers
-    topic = f"gone-{unique_id}"
-    create_topic(bs, topic, 2)
-    produce_batches(bs, topic, 0, [3])
-    s = KafkaSettings.of(bs)
-    with OffsetProbe(s, timeout_s=10) as probe:
-        assert probe.end_offsets(topic) == {0: 3, 1: 0}
-        assert probe.start_offsets(topic) == {0: 0, 1: 0}
-        wm = probe.watermarks([(topic, 0), (topic, 1)])
-        assert 1 <= wm[(topic, 0)] <= 3 and wm[(topic, 1)] == 0  # Tansu: at most the true end
-    admin = AdminClient({"bootstrap.servers": bs})  # held until the answer
-    admin.delete_topics([topic])[topic].result(timeout=30)
-    with OffsetProbe(s, timeout_s=10) as probe:
-        for earliest in (False, True):
-            with pytest.raises(UnknownTopicError):
-                probe.watermarks([(topic, 0), (topic, 1)], earliest=earliest)
-        with pytest.raises(UnknownTopicError):
-            probe.watermarks([(f"never-{unique_id}", 0)])
+    with EmbeddedStack(net_faults=True) as s:
+        s.start()
+        assert s.kafka_proxy is not None
+        bs = s.bootstrap_servers
+        create_topic(bs, "cut", 2)
+        produce_batches(bs, "cut", 0, [3])
+        tps = [("cut", 0), ("cut", 1)]
+        with OffsetProbe(KafkaSettings.of(bs), timeout_s=5) as probe:
+            assert probe.ends(tps) == {("cut", 0): 3, ("cut", 1): 0}
+            s.kafka_proxy.partition()
+            for _ in range(3):
+                with pytest.raises((KafkaUnavailableError, KafkaTimeoutError)):
+                    probe.watermarks(tps)
+            s.kafka_proxy.heal()
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert probe.ends(tps) == {("cut", 0): 3, ("cut", 1): 0}
+                    break
+                except (KafkaUnavailableError, KafkaTimeoutError):
+                    assert time.monotonic() < deadline, "expected ListOffsets to answer within 60 s of the heal"
+                    time.sleep(0.2)

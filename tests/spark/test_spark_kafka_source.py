@@ -400,37 +400,6 @@ def test_the_source_looks_a_topics_partitions_up_again_after_the_ttl(monkeypatch
     assert asked == ["a", "b", "b", "a"]
 
 
-def test_a_topic_deleted_within_the_partitions_ttl_has_no_partitions_and_fails_nothing(
-    stack: EmbeddedStack, unique_id: str
-) -> None:
-    """The reader keeps a topic's partitions for ``PARTITIONS_TTL_S``; a topic deleted meanwhile
-    answers its offsets as unknown: the reader looks the partitions up again (none) and goes on
-    with the other topics instead of failing the query.
-
-    The reader's probe, which fetched from the topic, is closed before the deletion (the next
-    call opens another): on the embedded broker a fetch answered after its topic was deleted
-    crashes librdkafka (see ``shared/io/kafka.py``,
-    "a fetch that outlives its topic")."""
-    from shared.spark.kafka_connector import KafkaDataSource
-
-    bs = stack.bootstrap_servers
-    kept, gone = f"kept-{unique_id}", f"gone-{unique_id}"
-    create_topic(bs, kept, 1)
-    create_topic(bs, gone, 2)
-    produce(bs, kept, [(0, b"a"), (0, b"b")])
-    produce(bs, gone, [(1, b"c")])
-    r = stream_reader(bs, ("shardsink-kafka", KafkaDataSource, {}), [kept, gone])
-    try:
-        assert r.latest_ends() == {kept: {0: 2}, gone: {0: 0, 1: 1}}
-        r._probe.close()
-        r._probe = None
-        admin = AdminClient({"bootstrap.servers": bs})  # held until the answer
-        admin.delete_topics([gone])[gone].result(timeout=30)
-        assert r.latest_ends() == {kept: {0: 2}, gone: {}}
-    finally:
-        r.stop()
-
-
 def test_latest_offset_holds_the_query_while_the_brokers_cannot_be_reached(monkeypatch: Any) -> None:
     """Issue 32: a ``latestOffset`` whose look at the brokers fails because they cannot be
     reached (a network partition) or time out answers its start (no micro-batch) after a short
