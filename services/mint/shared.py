@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ from services.sinkio import (
     read_latest_progress_of,
     read_ranges_on_driver,
 )
+from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
 from shared.side_by_side import side_by_side
@@ -126,12 +128,7 @@ class SharedMint:
         members = self.fleet.members()
         prefix = update_prefix()
         if ranges is None:
-            from shared.io.kafka_admin import topic_partition_count
-
-            ranges = []
-            for key, sink in members.items():
-                ends = _ends(s, sink.desired_topic, topic_partition_count(s.kafka, sink.desired_topic))
-                ranges.extend((key, p, 0, e) for p, e in ends.items() if e > 0)
+            ranges = _first_ranges(s, members)
             first = True
         else:
             first = False
@@ -239,14 +236,17 @@ def _found(found: tuple[int, bytes] | None, start: int) -> tuple[int, bytes] | N
     return found if found is not None and found[0] >= start else None
 
 
-def _ends(settings: ServiceSettings, topic: str, partitions: int) -> dict[int, int]:
+def _first_ranges(settings: ServiceSettings, members: Mapping[str, SinkDef]) -> list[tuple[str, int, int, int]]:
+    """Every member's desired partitions from offset 0 to their ends, ``(key, partition, 0,
+    end)`` (the first micro-batch of a checkpoint, whose start Spark does not log): one probe
+    for all of them (one metadata request per topic, one ListOffsets, one fetch of the last
+    batches), not a probe and an admin client per member."""
     from shared.io.kafka import OffsetProbe
 
-    probe = OffsetProbe(settings.kafka, 30.0)
-    try:
-        return {p: e for (_, p), e in probe.ends([(topic, p) for p in range(partitions)]).items()}
-    finally:
-        probe.close()
+    with OffsetProbe(settings.kafka, 30.0) as probe:
+        parts = {key: probe.partitions_of(sink.desired_topic) for key, sink in members.items()}
+        ends = probe.ends({(members[k].desired_topic, p) for k, ps in parts.items() for p in ps})
+    return [(key, p, 0, end) for key, ps in parts.items() for p in ps if (end := ends[(members[key].desired_topic, p)]) > 0]
 
 
 def start_shared_mint_query(spark: Any, settings: ServiceSettings, fleet: Fleet, registry: dict[str, SinkMinter],
