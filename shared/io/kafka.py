@@ -393,9 +393,18 @@ class OffsetProbe:
             return {}
         try:
             futs = self._a().list_offsets(req, request_timeout=self.timeout_s)
-            return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futs.items()}
+            out = {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futs.items()}
         except KafkaException as e:
             raise translate(e, "listing offsets") from e
+        # A request that times out with the broker cut off (its leaders known from before)
+        # answers OFFSET_INVALID (-1001) with no error: no answer, never an offset.
+        missing = sorted(tp for tp, off in out.items() if off < 0)
+        if missing:
+            raise KafkaTimeoutError(
+                f"listing offsets: expected an offset for every partition within {self.timeout_s} s, "
+                f"found none for {missing[:5]}"
+            )
+        return out
 
     def start_offsets(self, topic: str) -> dict[int, int]:
         """The first available offset of every partition of ``topic`` (0 unless retention
