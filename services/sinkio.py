@@ -605,12 +605,10 @@ def read_latest_progress_of(
     end)}``), their windows read together (:func:`_progress_windows`), sorted by partition
     then offset; the first range's error is raised."""
     order = sorted(ranges)
-    found = _progress_windows(kafka, [(topic, p, *ranges[p]) for p in order], skip_prefix)
-    tables: list[pa.Table] = []
-    for got in found:
-        if isinstance(got, Exception):
-            raise got
-        tables += [raw for raw, _ in reversed(got)]
+    found, errors = _progress_windows(kafka, [(topic, p, *ranges[p]) for p in order], skip_prefix)
+    if errors:
+        raise errors[min(errors)]
+    tables = [raw for windows in found for raw, _ in reversed(windows)]
     return pa.concat_tables(tables) if tables else _empty_raw()
 
 
@@ -632,28 +630,30 @@ def latest_progress_records(
     """The offset and value of the latest progress statement of each ``(topic, partition,
     start, end)`` (None: the range holds none), or the error of that range alone, from
     :func:`_progress_windows`."""
+    found, errors = _progress_windows(kafka, ranges, skip_prefix)
     out: list[tuple[int, bytes] | None | Exception] = []
-    for got in _progress_windows(kafka, ranges, skip_prefix):
-        if isinstance(got, Exception) or not got:
-            out.append(got if isinstance(got, Exception) else None)
+    for i, windows in enumerate(found):
+        if i in errors or not windows:
+            out.append(errors.get(i))
             continue
-        window, decoded = got[-1]  # only the last window read can hold a statement
+        window, decoded = windows[-1]  # only the last window read can hold a statement
         offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
                    if k == KIND_PROGRESS]
         if not offsets:
             out.append(None)
             continue
         last = max(offsets)
-        out.append((last, dict(zip(window["offset"].to_pylist(), window["value"].to_pylist(), strict=True))[last]))
+        out.append((last, window["value"][window["offset"].to_pylist().index(last)].as_py()))
     return out
 
 
 def _progress_windows(
     kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
-) -> list[list[tuple[pa.Table, pa.Table]] | Exception]:
+) -> tuple[list[list[tuple[pa.Table, pa.Table]]], dict[int, Exception]]:
     """Per ``(topic, partition, start, end)``, the windows :func:`read_latest_progress` reads
     back from the range's end, raw and decoded, in the order read (only the last one read can
-    hold a progress statement); or the error of that range alone. Every range's windows are
+    hold a progress statement); and by the index of a range that failed, its error (that
+    range's windows are then empty; the others are read on). Every range's windows are
     read together, round after round (:func:`shared.spark.kafka_ranges.read_ranges`: one
     consumer and one assignment for all, where one read a range costs an assignment, which
     waits for librdkafka holding the GIL)."""
@@ -663,7 +663,8 @@ def _progress_windows(
     from shared.spark.kafka_source import _arrow_schema
 
     schema = _arrow_schema()
-    out: list[list[tuple[pa.Table, pa.Table]] | Exception] = [[] for _ in ranges]
+    out: list[list[tuple[pa.Table, pa.Table]]] = [[] for _ in ranges]
+    errors: dict[int, Exception] = {}
     todo = {i: (r[3], LATEST_PROGRESS_WINDOW) for i, r in enumerate(ranges) if r[3] > r[2]}  # the window's end, size
     while todo:
         idx = sorted(todo)
@@ -674,10 +675,10 @@ def _progress_windows(
         more: dict[int, tuple[int, int]] = {}
         for i, r, batches in zip(idx, specs, got, strict=True):
             if isinstance(batches, Exception):
-                out[i] = batches if isinstance(batches, ShardsinkError) else ShardsinkError(str(batches))
+                errors[i] = batches if isinstance(batches, ShardsinkError) else ShardsinkError(str(batches))
+                out[i] = []
                 continue
             windows = out[i]
-            assert isinstance(windows, list)
             if batches:
                 window = pa.Table.from_batches([b.select(["topic", "partition", "offset", "value"]) for b in batches])
                 decoded = decode_on_driver(window, r.topic, progress_only=True)
@@ -687,7 +688,7 @@ def _progress_windows(
             if r.start > ranges[i][2]:
                 more[i] = (r.start, todo[i][1] * 4)
         todo = more
-    return out
+    return out, errors
 
 
 def _empty_raw() -> pa.Table:

@@ -128,3 +128,40 @@ def test_the_tails_of_many_ranges_read_together_find_what_each_read_alone_finds(
     want = [sinkio.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
     assert got == want
     assert want[1] is not None and want[2] is None and want[3] is None  # found after growing windows; none; empty
+
+
+
+def test_a_range_that_cannot_be_read_gets_its_own_error_and_the_others_their_statements(
+    history: tuple[KafkaSettings, str, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range whose read fails (the reader answers it with an error, here made to in its
+    second round of windows, after a first window was read) gets that error from
+    latest_progress_records, and every other range what it finds alone; read_latest_progress_of
+    raises the error of the first failing range in partition order."""
+    import shared.spark.kafka_ranges as kafka_ranges
+    from shared.errors import KafkaTimeoutError, ShardsinkError
+
+    kafka, topic, values = history
+    n = len(values)
+    real = kafka_ranges.read_ranges
+    rounds: list[int] = []
+    fail_from = [2]  # the first round (1-based) whose read of the ranges ending by n - 3011 fails
+
+    def failing_second_round(settings, specs, **kw):  # type: ignore[no-untyped-def]
+        rounds.append(len(specs))
+        got = real(settings, specs, **kw)
+        return [KafkaTimeoutError("cut off") if len(rounds) >= fail_from[0] and r.end <= n - 3011 else g
+                for r, g in zip(specs, got, strict=True)]
+
+    ranges = [(topic, 0, 0, n - 11), (topic, 0, 0, n - 3011), (topic, 0, n - 3011, n - 11)]
+    want = [sinkio.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
+    assert want[0] is not None and want[1] is not None and want[2] is None
+    monkeypatch.setattr(kafka_ranges, "read_ranges", failing_second_round)
+    got = sinkio.latest_progress_records(kafka, ranges, UPDATE_PREFIX)
+    assert len(rounds) > 1
+    assert isinstance(got[1], ShardsinkError) and "cut off" in str(got[1])
+    assert [got[0], got[2]] == [want[0], want[2]]
+    rounds.clear()
+    fail_from[0] = 1
+    with pytest.raises(KafkaTimeoutError, match="cut off"):
+        sinkio.read_latest_progress_of(kafka, topic, {0: (0, n - 3011)}, UPDATE_PREFIX)
