@@ -186,9 +186,13 @@ class WriteFleetReader(FleetStreamReader):
         self.settings = settings
         self.parallelism = parallelism
         self._retry_at = 0.0
+        #: the ``descs`` ranges the last :meth:`_descriptions` read, decoded: a micro-batch's
+        #: ``latestOffset`` (:meth:`admitted_on_news`) and ``partitions`` read the same ones
+        self._read_descs: dict[tuple[str, int, int, int], list[tuple[str, int, bytes]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "settings": self.settings, "parallelism": self.parallelism, "_retry_at": 0.0}
+        return {**super().__getstate__(), "settings": self.settings, "parallelism": self.parallelism, "_retry_at": 0.0,
+                "_read_descs": {}}
 
     def admitted_on_news(self, start: Offsets, end: Offsets) -> set[str] | None:
         """The members with a description among the new ``descs`` records: their held records
@@ -200,9 +204,9 @@ class WriteFleetReader(FleetStreamReader):
             return set()  # news on another control topic: nothing of the members
         members = self.members()
         try:
-            descs = self._descriptions(ranges, members, fail_on_data_loss=False)
+            descs = self._descriptions(ranges, members)
         except ShardsinkError:
-            return None  # unreadable now: admit every member, as without this choice
+            return None  # unreadable now (or lost: partitions() raises it): admit every member
         by_id = {str(m["sink_id"]): k for k, m in members.items()}
         return {by_id[sid] for sid in descs if sid in by_id}
 
@@ -275,22 +279,30 @@ class WriteFleetReader(FleetStreamReader):
         return WriteJob(sink, self.settings, partitions, str(m["row_schema"]), self.settings.descs_topic,
                         sink_state_dir(self.settings, "write", sink))
 
-    def _descriptions(self, control: Sequence[KafkaInputPartition], members: Mapping[str, Any],
-                      fail_on_data_loss: bool = True) -> dict[str, list[tuple[int, int, bytes]]]:
-        """The micro-batch's descriptions by sink id (read here: a few records)."""
+    def _descriptions(self, control: Sequence[KafkaInputPartition],
+                      members: Mapping[str, Any]) -> dict[str, list[tuple[int, int, bytes]]]:
+        """The micro-batch's descriptions by sink id (read here: a few records; a range the
+        last call read is not read again)."""
         wanted = {str(m["sink_id"]) for m in members.values()}
         codec = message_codec("batch_description")
         out: dict[str, list[tuple[int, int, bytes]]] = {}
+        read: dict[tuple[str, int, int, int], list[tuple[str, int, bytes]]] = {}
         for r in control:
-            for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True,
-                                fail_on_data_loss=fail_on_data_loss):
-                for off, value in zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True):
-                    try:
-                        sid = str(codec.decode(value or b"")["sink_id"])
-                    except (DecodeError, ShardsinkError, KeyError, TypeError):
-                        continue  # every writer skips it
-                    if sid in wanted:
-                        out.setdefault(sid, []).append((r.partition, int(off), value))
+            key = (r.topic, r.partition, r.start, r.end)
+            found = self._read_descs.get(key)
+            if found is None:
+                found = []
+                for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True):
+                    for off, value in zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True):
+                        try:
+                            found.append((str(codec.decode(value or b"")["sink_id"]), int(off), value))
+                        except (DecodeError, ShardsinkError, KeyError, TypeError):
+                            continue  # every writer skips it
+            read[key] = found
+            for sid, off, value in found:
+                if sid in wanted:
+                    out.setdefault(sid, []).append((r.partition, off, value))
+        self._read_descs = read
         return out
 
     def _lookback(self, start: Offsets, joined: Mapping[str, Any]) -> dict[str, list[tuple[int, int, bytes]]]:

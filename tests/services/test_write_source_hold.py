@@ -102,6 +102,7 @@ def test_the_shared_write_source_admits_a_sinks_records_with_its_description(
     from shared.frontier import Frontier
     from shared.sink_messages import BatchDescription
     from shared.spark.fleet_source import MEMBERS_OPTION
+    from shared.spark.kafka_source import KafkaInputPartition
 
     clock = frozen_monotonic(monkeypatch)
     descs = f"wf-descs-{unique_id}"
@@ -127,10 +128,23 @@ def test_the_shared_write_source_admits_a_sinks_records_with_its_description(
     desc = BatchDescription(a.sink_id, Frontier.at(0), Frontier.at(5), 1, "tok", partition_count=2)
     produce(stack.bootstrap_servers, descs, [(0, message_codec("batch_description").encode(desc.to_dict()))])
     clock[0] += 0.1
+    reads: list[tuple[str, int, int, int]] = []
+    real_read = wss.read_range
+
+    def counted(settings: Any, topic: str, partition: int, lo: int, hi: int, **kw: Any) -> Any:
+        reads.append((topic, partition, lo, hi))
+        return real_read(settings, topic, partition, lo, hi, **kw)
+
+    monkeypatch.setattr(wss, "read_range", counted)
     end = r.latestOffset(start, limit)
     assert end[descs] == {"0": 1}
     assert end[ka] == {"0": 1, "1": 1}  # a's description admits a's records
     assert end[kb] == start[kb] == {"0": 0, "1": 0}  # b's stay held
+    # The micro-batch's planning finds that description without reading the range again.
+    assert reads == [(descs, 0, 0, 1)]
+    found = r._descriptions([KafkaInputPartition(descs, 0, 0, 1)], r.members())
+    assert {sid: [(p, o) for p, o, _ in got] for sid, got in found.items()} == {a.sink_id: [(0, 0)]}
+    assert reads == [(descs, 0, 0, 1)]
     clock[0] += wss.ADMIT_ALL_EVERY_S
     assert r.latestOffset(end, limit)[kb] == {"0": 1, "1": 2}  # every member's, at least this often
     r.stop()
