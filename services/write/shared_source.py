@@ -188,7 +188,7 @@ class WriteFleetReader(FleetStreamReader):
         self._retry_at = 0.0
         #: the ``descs`` ranges the last :meth:`_descriptions` read, decoded: a micro-batch's
         #: ``latestOffset`` (:meth:`admitted_on_news`) and ``partitions`` read the same ones
-        self._read_descs: dict[tuple[str, int, int, int], list[tuple[str, int, bytes]]] = {}
+        self._read_descs: dict[tuple[str, int, int, int, bool], list[tuple[str, int, bytes]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "settings": self.settings, "parallelism": self.parallelism, "_retry_at": 0.0,
@@ -279,20 +279,21 @@ class WriteFleetReader(FleetStreamReader):
         return WriteJob(sink, self.settings, partitions, str(m["row_schema"]), self.settings.descs_topic,
                         sink_state_dir(self.settings, "write", sink))
 
-    def _descriptions(self, control: Sequence[KafkaInputPartition],
-                      members: Mapping[str, Any]) -> dict[str, list[tuple[int, int, bytes]]]:
+    def _descriptions(self, control: Sequence[KafkaInputPartition], members: Mapping[str, Any],
+                      fail_on_data_loss: bool = True) -> dict[str, list[tuple[int, int, bytes]]]:
         """The micro-batch's descriptions by sink id (read here: a few records; a range the
         last call read is not read again)."""
         wanted = {str(m["sink_id"]) for m in members.values()}
         codec = message_codec("batch_description")
         out: dict[str, list[tuple[int, int, bytes]]] = {}
-        read: dict[tuple[str, int, int, int], list[tuple[str, int, bytes]]] = {}
+        read: dict[tuple[str, int, int, int, bool], list[tuple[str, int, bytes]]] = {}
         for r in control:
-            key = (r.topic, r.partition, r.start, r.end)
+            key = (r.topic, r.partition, r.start, r.end, fail_on_data_loss)
             found = self._read_descs.get(key)
             if found is None:
                 found = []
-                for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True):
+                for b in read_range(self.options.settings, r.topic, r.partition, r.start, r.end, values_only=True,
+                                    fail_on_data_loss=fail_on_data_loss):
                     for off, value in zip(b.column("offset").to_pylist(), b.column("value").to_pylist(), strict=True):
                         try:
                             found.append((str(codec.decode(value or b"")["sink_id"]), int(off), value))
