@@ -652,8 +652,8 @@ def _progress_windows(
 ) -> tuple[list[list[tuple[pa.Table, pa.Table]]], dict[int, Exception]]:
     """Per ``(topic, partition, start, end)``, the windows :func:`read_latest_progress` reads
     back from the range's end, raw and decoded, in the order read (only the last one read can
-    hold a progress statement); and by the index of a range that failed, its error (that
-    range's windows are then empty; the others are read on). Every range's windows are
+    hold a progress statement); and by the index of a range that failed, its error (the
+    windows that range read before it are not to be used; the others are read on). Every range's windows are
     read together, round after round (:func:`shared.spark.kafka_ranges.read_ranges`: one
     consumer and one assignment for all, where one read a range costs an assignment, which
     waits for librdkafka holding the GIL)."""
@@ -676,7 +676,6 @@ def _progress_windows(
         for i, r, batches in zip(idx, specs, got, strict=True):
             if isinstance(batches, Exception):
                 errors[i] = batches if isinstance(batches, ShardsinkError) else ShardsinkError(str(batches))
-                out[i] = []
                 continue
             windows = out[i]
             if batches:
