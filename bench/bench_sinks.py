@@ -7,8 +7,11 @@ workload: every sink gets a step of 50 updates (inserts and retractions) and a p
 statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per N (in
 ``per_n``; the largest N's are repeated at the top level):
 
-- ``processes``: processes in the services' tree (the subprocess and its descendants: the
+- ``processes``: live processes in the services' tree (the subprocess and its descendants: the
   driver, the JVM, Spark's Python workers), in steady state (at the end of the idle phase);
+  ``zombie_processes`` beside it: exited children not reaped, not counted in ``processes``
+  (one is Spark's: its launcher script ``exec``s the JVM from a shell whose process
+  substitution leaves a finished ``bash`` child that the JVM never waits for);
 - ``rss_gib``: their summed RSS then (forked Python workers share pages, which are counted
   once per process); ``rss_gib_busy_max``: the largest sum sampled during the workload;
 - ``busy_cpu_share``: CPU seconds of the tree during the workload over (wall seconds x cores);
@@ -134,6 +137,8 @@ class Usage:
     processes: int
     cpu_s: float
     rss_bytes: int
+    #: Exited descendants not reaped by their parent (not in ``processes``).
+    zombies: int = 0
 
 
 def tree_usage(root: int) -> Usage:
@@ -147,9 +152,12 @@ def tree_usage(root: int) -> Usage:
         procs = [top, *top.children(recursive=True)]
     except psutil.NoSuchProcess:
         return Usage(0, 0.0, 0)
-    n, cpu, rss = 0, 0.0, 0
+    n, cpu, rss, zombies = 0, 0.0, 0, 0
     for p in procs:
         try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                zombies += 1
+                continue
             t = p.cpu_times()
             m = p.memory_info()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -157,7 +165,7 @@ def tree_usage(root: int) -> Usage:
         n += 1
         cpu += t.user + t.system + t.children_user + t.children_system
         rss += m.rss
-    return Usage(n, cpu, rss)
+    return Usage(n, cpu, rss, zombies)
 
 
 def _tree_usage_proc(root: int) -> Usage:
@@ -167,11 +175,15 @@ def _tree_usage_proc(root: int) -> Usage:
         if st is not None:
             parents[int(d)] = (st[1], st[2])
     page = os.sysconf("SC_PAGE_SIZE")
-    n, cpu, rss = 0, 0.0, 0
+    n, cpu, rss, zombies = 0, 0.0, 0, 0
     todo = [root]
     while todo:
         pid = todo.pop()
         if pid not in parents:
+            continue
+        todo.extend(c for c, (pp, _) in parents.items() if pp == pid)
+        if _zombie(pid):
+            zombies += 1
             continue
         n += 1
         cpu += parents[pid][1]
@@ -180,8 +192,17 @@ def _tree_usage_proc(root: int) -> Usage:
                 rss += int(f.read().split()[1]) * page
         except (OSError, ValueError, IndexError):
             pass
-        todo.extend(c for c, (pp, _) in parents.items() if pp == pid)
-    return Usage(n, cpu, rss)
+    return Usage(n, cpu, rss, zombies)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits for its parent to reap it (state ``Z``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2 :].startswith("Z")
+    except (OSError, ValueError):
+        return False
 
 
 def count_failures(log_path: Path) -> dict[str, int]:
@@ -709,8 +730,10 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         u1, w1 = tree_usage(child.pid), time.monotonic()
         out["idle_cpu_share"] = round((u1.cpu_s - u0.cpu_s) / ((w1 - w0) * cores), 3)
         out["processes"] = u1.processes
+        out["zombie_processes"] = u1.zombies
         out["rss_gib"] = round(u1.rss_bytes / 2**30, 2)
-        log(f"{at}: idle CPU {out['idle_cpu_share']:.1%}; {u1.processes} processes, RSS {out['rss_gib']} GiB")
+        log(f"{at}: idle CPU {out['idle_cpu_share']:.1%}; {u1.processes} processes ({u1.zombies} exited, not reaped), "
+            f"RSS {out['rss_gib']} GiB")
 
         if peer:
             # The peer's topics are fixed when it starts (no new sink); its tables, drained, hold
