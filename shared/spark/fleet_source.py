@@ -158,6 +158,13 @@ class FleetStreamReader(KafkaStreamReader):
             return budget
         return max(0.0, min(budget, self.admit_every_s - (time.monotonic() - self._admitted)))
 
+    def wait_ended(self) -> bool:
+        """A member joined or left (the members file changed) since the ends were taken: a
+        new member's records make a micro-batch without waiting out the budget."""
+        before = self._members_stamp
+        self.members()
+        return self._members_stamp != before
+
     def watched(self) -> dict[tuple[str, int], int]:
         """The partitions whose next record makes a micro-batch (by topic, as a wait reads them)."""
         members = {k: str(m["desired_topic"]) for k, m in self.members().items()}

@@ -135,6 +135,10 @@ KAFKA_SCHEMA = StructType(
 PARTITIONS_TTL_S = 5.0
 #: While the brokers cannot be reached, ``latestOffset`` looks again this often at most.
 UNREACHABLE_PAUSE_S = 0.5
+#: A wait for records (``waitForRecordsMs``) waits in slices of at most this long, and looks
+#: between them whether something other than a record asks for a new look
+#: (:meth:`KafkaStreamReader.wait_ended`: a shared query's member joined or left).
+WAIT_SLICE_S = 0.5
 
 
 def _parse_starting(value: str) -> str | Offsets:
@@ -409,14 +413,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         s = offsets_from_json(start)
         try:
             end = self.next_end(s, limit)
-            deadline = time.monotonic() + self.wait_budget()
+            budget = self.wait_budget()
             # A record that ends a wait may still make no micro-batch (one a holding reader
-            # holds back): the look after it waits on, within the same budget.
-            while not pending(s, end):
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._p().await_records(self.watched(), left):
-                    break
-                end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
+            # holds back): the look after it waits on, within the same budget. The wait goes
+            # in slices; between them a change that is not a record ends it too.
+            while not pending(s, end) and budget > 0:
+                wait = min(budget, WAIT_SLICE_S)
+                budget -= wait
+                if self._p().await_records(self.watched(), wait) or self.wait_ended():
+                    end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
         except (KafkaUnavailableError, KafkaTimeoutError) as e:
             if self._unreachable is None:
                 print(f"shardsink-kafka: brokers unreachable, no micro-batch until they answer: {e}", file=sys.stderr)
@@ -435,6 +440,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._target is not None:
             return 0.0  # availableNow: the query stops at its target instead
         return self.options.wait_for_records_ms / 1000.0
+
+    def wait_ended(self) -> bool:
+        """Whether something other than a record calls for a new look during a wait for
+        records (this reader: nothing)."""
+        return False
 
     def watched(self) -> dict[tuple[str, int], int]:
         """The partitions whose next record makes a micro-batch, at the ends last seen."""

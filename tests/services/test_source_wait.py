@@ -136,3 +136,38 @@ def test_a_bad_wait_option_is_a_typed_error(value: str) -> None:
     with pytest.raises(KafkaConfigError, match="waitforrecordsms"):
         SourceOptions.parse({"topics": "t", "bootstrap": "127.0.0.1:1", "waitForRecordsMs": value})
     assert SourceOptions.parse({"topics": "t", "bootstrap": "127.0.0.1:1", "waitForRecordsMs": "0"}).wait_for_records_ms == 0
+
+
+def test_a_shared_query_s_wait_ends_when_a_member_joins(stack: EmbeddedStack, unique_id: str, tmp_path: Any) -> None:
+    """A shared query's source waits for records on its members' topics; a sink that joins
+    meanwhile (the members file changes) ends the wait, and its records, produced before it
+    joined, are in the answer: a new sink does not wait out the budget (20 s here)."""
+    from services.runtime.fleet import write_members
+    from shared.catalog import SinkDef
+    from shared.spark.fleet_source import MEMBERS_OPTION, FleetDataSource
+
+    control = f"wait-ctl-{unique_id}"
+    create_topic(stack.bootstrap_servers, control, 1)
+    old, new = (SinkDef(f"{n}-{unique_id}", f"wait-{n}-{unique_id}", f"c{n}-{unique_id}", epoch=1) for n in ("old", "new"))
+    for s in (old, new):
+        create_topic(stack.bootstrap_servers, s.desired_topic, 1)
+    members = str(tmp_path / "fleet" / "members.json")
+    write_members(members, {f"{old.sink_id}@1": old})
+    source: tuple[str, Any, dict[str, str]] = (FleetDataSource.name(), FleetDataSource, {MEMBERS_OPTION: members})
+    r = stream_reader(stack.bootstrap_servers, source, [control], waitForRecordsMs="20000")
+    limit = r.getDefaultReadLimit()
+    start = r.latestOffset(r.initialOffset(), limit)
+    assert start == {control: {"0": 0}, f"{old.sink_id}@1": {"0": 0}}
+    produce(stack.bootstrap_servers, new.desired_topic, [(0, b"a"), (0, b"b")])
+
+    def join() -> None:
+        time.sleep(0.3)
+        write_members(members, {f"{old.sink_id}@1": old, f"{new.sink_id}@1": new})
+
+    th = threading.Thread(target=join)
+    th.start()
+    end, took = timed(r.latestOffset, start, limit)
+    th.join()
+    assert end[f"{new.sink_id}@1"] == {"0": 2}, f"expected the new member's records in the answer, found {end}"
+    assert took < 10.0, f"expected the wait to end when the member joined, found {took:.1f} s"
+    r.stop()
