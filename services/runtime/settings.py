@@ -160,7 +160,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Spark master when not under spark-submit (ignored under it)"),
     Setting("trigger_ms",                    "SHARDSINK_TRIGGER_MS",              "--trigger-ms",              "100", int,
             "micro-batch trigger interval (ms)"),
-    Setting("source_wait_ms",                "SHARDSINK_SOURCE_WAIT_MS",          "--source-wait-ms",          "500", int,
+    Setting("source_wait_ms",                "SHARDSINK_SOURCE_WAIT_MS",          "--source-wait-ms",          "2000", int,
             "a trigger that finds no record waits up to this long (ms) for one (the Kafka source's waitForRecordsMs), "
             "so a micro-batch starts just after the record that calls for it; 0: each trigger looks once"),
     Setting("catalog_poll_ms",               "SHARDSINK_CATALOG_POLL_MS",         "--catalog-poll-ms",         "1000", int,

@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "batches_topic": "batches",
     "frontiers_topic": "frontiers",
     "trigger_ms": 100,
-    "source_wait_ms": 500,
+    "source_wait_ms": 2000,
     "catalog_poll_ms": 1000,
     "spark_master": "local[2]",
     "grace_ms": 600_000,
