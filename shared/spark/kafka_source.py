@@ -413,14 +413,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         s = offsets_from_json(start)
         try:
             end = self.next_end(s, limit)
-            budget = self.wait_budget()
+            budget, t0 = self.wait_budget(), time.perf_counter()  # (a test may freeze time.monotonic)
             # A record that ends a wait may still make no micro-batch (one a holding reader
             # holds back): the look after it waits on, within the same budget. The wait goes
             # in slices; between them a change that is not a record ends it too.
-            while not pending(s, end) and budget > 0:
-                wait = min(budget, WAIT_SLICE_S)
-                budget -= wait
-                if self._p().await_records(self.watched(), wait) or self.wait_ended():
+            while not pending(s, end):
+                left = budget - (time.perf_counter() - t0)
+                if left <= 0:
+                    break
+                if self._p().await_records(self.watched(), min(left, WAIT_SLICE_S)) or self.wait_ended():
                     end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
         except (KafkaUnavailableError, KafkaTimeoutError) as e:
             if self._unreachable is None:
