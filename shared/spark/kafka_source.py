@@ -135,9 +135,8 @@ KAFKA_SCHEMA = StructType(
 PARTITIONS_TTL_S = 5.0
 #: While the brokers cannot be reached, ``latestOffset`` looks again this often at most.
 UNREACHABLE_PAUSE_S = 0.5
-#: A wait for records (``waitForRecordsMs``) waits in slices of at most this long, and looks
-#: between them whether something other than a record asks for a new look
-#: (:meth:`KafkaStreamReader.wait_ended`: a shared query's member joined or left).
+#: A wait for records goes in slices of at most this long; between them it asks whether
+#: something else calls for a new look (:meth:`KafkaStreamReader.wait_ended`).
 WAIT_SLICE_S = 0.5
 
 
