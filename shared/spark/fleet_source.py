@@ -51,6 +51,8 @@ class FleetStreamReader(KafkaStreamReader):
     #: Hold the members' records back between news on the control topics.
     hold: bool = False
     admit_every_s: float = ADMIT_EVERY_S
+    #: Between these slices of a wait, a member that joined ends it (:meth:`wait_ended`).
+    wait_slice_s: float | None = 0.5
 
     def __init__(self, options: SourceOptions, members_file: str) -> None:
         super().__init__(options)

@@ -135,9 +135,6 @@ KAFKA_SCHEMA = StructType(
 PARTITIONS_TTL_S = 5.0
 #: While the brokers cannot be reached, ``latestOffset`` looks again this often at most.
 UNREACHABLE_PAUSE_S = 0.5
-#: A wait for records goes in slices of at most this long; between them it asks whether
-#: something else calls for a new look (:meth:`KafkaStreamReader.wait_ended`).
-WAIT_SLICE_S = 0.5
 
 
 def _parse_starting(value: str) -> str | Offsets:
@@ -301,6 +298,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     #: Read only values and offsets (keys, timestamps and headers null): see :func:`read_range`.
     values_only = False
+    #: A wait for records goes in slices of this long, :meth:`wait_ended` asked between them (None: one wait).
+    wait_slice_s: float | None = None
 
     def __init__(self, options: SourceOptions) -> None:
         self.options = options
@@ -420,7 +419,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 left = budget - (time.perf_counter() - t0)
                 if left <= 0:
                     break
-                if self._p().await_records(self.watched(), min(left, WAIT_SLICE_S)) or self.wait_ended():
+                wait = left if self.wait_slice_s is None else min(left, self.wait_slice_s)
+                if self._p().await_records(self.watched(), wait) or self.wait_ended():
                     end = self.next_end(s, limit)  # the probe's ends take what the wait's fetch saw
         except (KafkaUnavailableError, KafkaTimeoutError) as e:
             if self._unreachable is None:

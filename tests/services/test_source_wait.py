@@ -70,11 +70,16 @@ def test_latest_offset_answers_with_a_record_that_arrives_while_it_waits(stack: 
     assert took < 20.0
     r.stop()
 
-    # With nothing produced, the wait ends at its budget with the start itself.
-    quiet = stream_reader(stack.bootstrap_servers, source, [topic], waitForRecordsMs="400")
+    # With nothing produced, the wait ends at its budget with the start itself, in one wait
+    # at the brokers (a plain reader has nothing to look at between slices).
+    quiet = stream_reader(stack.bootstrap_servers, source, [topic], waitForRecordsMs="1200")
+    probe, waits = quiet._p(), []
+    await_records = probe.await_records
+    probe.await_records = lambda watched, timeout_s: waits.append(timeout_s) or await_records(watched, timeout_s)
     same, took = timed(quiet.latestOffset, later, quiet.getDefaultReadLimit())
     assert same == later
-    assert took >= 0.35
+    assert took >= 1.1
+    assert len(waits) == 1 and waits[0] > 1.0, f"expected one wait for the whole budget, found {waits}"
     # availableNow: the query stops at its target, never waits for more.
     quiet.prepareForTriggerAvailableNow()
     assert quiet.latestOffset(later, quiet.getDefaultReadLimit()) == later
@@ -156,8 +161,9 @@ def test_a_shared_query_s_wait_ends_when_a_member_joins(stack: EmbeddedStack, un
     source: tuple[str, Any, dict[str, str]] = (FleetDataSource.name(), FleetDataSource, {MEMBERS_OPTION: members})
     r = stream_reader(stack.bootstrap_servers, source, [control], waitForRecordsMs="20000")
     limit = r.getDefaultReadLimit()
+    produce(stack.bootstrap_servers, old.desired_topic, [(0, b"x")])  # a micro-batch at once, no wait
     start = r.latestOffset(r.initialOffset(), limit)
-    assert start == {control: {"0": 0}, f"{old.sink_id}@1": {"0": 0}}
+    assert start == {control: {"0": 0}, f"{old.sink_id}@1": {"0": 1}}
     produce(stack.bootstrap_servers, new.desired_topic, [(0, b"a"), (0, b"b")])
 
     def join() -> None:
