@@ -251,7 +251,7 @@ def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     for d in os.listdir("/proc"):
         st = process_stat(int(d)) if d.isdigit() else None
         if st is not None:
-            procs[int(d)] = (st[1], st[0], st[2])
+            procs[int(d)] = (st.ppid, st.comm, st.cpu_s)
     out: dict[int, tuple[str, float]] = {}
     todo = [root]
     while todo:

@@ -93,7 +93,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from delta_peer import DeltaTopic, delta_storage_options  # noqa: E402
-from shared.devstack.embedded import process_stat  # noqa: E402
+from shared.devstack.embedded import ProcStat, process_stat  # noqa: E402
 
 SCHEMA = {
     "type": "record",
@@ -169,24 +169,24 @@ def tree_usage(root: int) -> Usage:
 
 
 def _tree_usage_proc(root: int) -> Usage:
-    parents: dict[int, tuple[int, float]] = {}
+    procs: dict[int, ProcStat] = {}
     for d in os.listdir("/proc"):
         st = process_stat(int(d)) if d.isdigit() else None
         if st is not None:
-            parents[int(d)] = (st[1], st[2])
+            procs[int(d)] = st
     page = os.sysconf("SC_PAGE_SIZE")
     n, cpu, rss, zombies = 0, 0.0, 0, 0
     todo = [root]
     while todo:
         pid = todo.pop()
-        if pid not in parents:
+        if pid not in procs:
             continue
-        todo.extend(c for c, (pp, _) in parents.items() if pp == pid)
-        if _zombie(pid):
+        todo.extend(c for c, st in procs.items() if st.ppid == pid)
+        if procs[pid].state == "Z":
             zombies += 1
             continue
         n += 1
-        cpu += parents[pid][1]
+        cpu += procs[pid].cpu_s
         try:
             with open(f"/proc/{pid}/statm") as f:
                 rss += int(f.read().split()[1]) * page
@@ -197,12 +197,8 @@ def _tree_usage_proc(root: int) -> Usage:
 
 def _zombie(pid: int) -> bool:
     """Whether ``pid`` has exited and waits for its parent to reap it (state ``Z``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat[stat.rindex(")") + 2 :].startswith("Z")
-    except (OSError, ValueError):
-        return False
+    st = process_stat(pid)
+    return st is not None and st.state == "Z"
 
 
 def count_failures(log_path: Path) -> dict[str, int]:

