@@ -198,7 +198,8 @@ class DesiredDecoder:
         self.only_wp = only_wp
         #: rows of another writer schema are left to the write step (see decode_partition)
         self.resolve_later = route_to is not None
-        self.row_codec, self.rows = _row_codecs(row_schema_json) if row_schema_json else (None, None)
+        codecs: tuple[Any, Any] = _row_codecs(row_schema_json) if row_schema_json else (None, None)
+        self.row_codec, self.rows = codecs
         self.row_header = MARKER + self.row_codec.fingerprint if self.row_codec is not None else b""
         fp = message_codec("desired").fingerprint
         self.update_prefix = MARKER + fp + b"\x00"

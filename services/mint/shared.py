@@ -217,9 +217,9 @@ class SharedMint:
         # The micro-batch's descriptions are durable before its state is saved (one flush for
         # every sink: a flush waits for the shared producer's every message anyway).
         self.producer.flush()
-        for (key, sink, _), e in zip(work, outcomes, strict=True):
-            if e is not None:
-                self._failed(key, sink, e)
+        for (key, sink, _), err in zip(work, outcomes, strict=True):
+            if err is not None:
+                self._failed(key, sink, err)
             elif self.failing.pop(key, None) is not None:
                 log.info("mint recovered for this sink", extra={"sink_id": sink.sink_id})
         for sid, m in list(self.registry.items()):

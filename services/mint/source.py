@@ -283,7 +283,7 @@ class MintFleetReader(HoldFileReader):
                                         update_prefix())
         progress: dict[str, dict[str, Any]] = {}
         for (k, p, _, _), found in zip(ranges, tails, strict=True):
-            if isinstance(found, ShardsinkError):
+            if isinstance(found, Exception):  # that range's error alone (ShardsinkError)
                 continue
             progress.setdefault(k, {})[str(p)] = [-1, None] if found is None else [found[0], base64.b64encode(found[1]).decode()]
         return {**end, PROGRESS_KEY: progress}

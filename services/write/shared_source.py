@@ -230,11 +230,11 @@ class WriteFleetReader(FleetStreamReader):
         replay: dict[str, dict[str, Any]] = dict(end.get(REPLAY_KEY) or {})
         s = offsets_from_json(start)
         # A replayed writer partition's desired range starts where its failed unit's did.
-        for key, wps in replay.items():
-            for wp, r in wps.items():
+        for key, by_wp in replay.items():
+            for wp_text, r in by_wp.items():
                 if r.get("from") is not None:
                     cur = s.setdefault(key, {})
-                    cur[int(wp)] = min(int(r["from"]), cur.get(int(wp), int(r["from"])))
+                    cur[int(wp_text)] = min(int(r["from"]), cur.get(int(wp_text), int(r["from"])))
         ranges = self.input_ranges(offsets_to_json(s), end)
         members = self.members()
         control = [r for r in ranges if not isinstance(r, SinkRange)]
