@@ -233,3 +233,36 @@ def test_a_shared_minter_waits_twice_its_last_upper_wait_before_its_first_read(m
     clock[0] += 0.2
     m.process(records((KIND_CONTROL, "frontiers", None)), announced=[15])
     assert m.refresh_every == mint.SHARD_REFRESH_S  # waited 0.2 s: 1 s, as a quiet deployment
+
+
+def test_a_shared_minter_with_its_upper_in_hand_mints_the_next_step_without_reading_the_shard(monkeypatch: Any) -> None:
+    """A shared minter whose last description's upper was announced reads no shard when the
+    next step's progress comes, however long after (the appenders announce every upper); once
+    a description is in flight and its upper does not come, it reads after 1 s, in case the
+    announcement was lost."""
+    clock, shard, producer, m = shared_minter(monkeypatch)
+
+    m.process(records((KIND_PROGRESS, "desired", 5)))
+    assert (shard.reads, len(producer.sent)) == (1, 1)  # the first micro-batch reads; [0, 5) minted
+    assert not m.upper_in_hand()  # [0, 5) in flight
+    clock[0] += 0.2
+    m.process(records((KIND_CONTROL, "frontiers", None)), announced=[5])
+    assert m.state.persist_frontier == Frontier.at(5) and m.upper_in_hand()
+    clock[0] += 3.0  # the next step's progress, 3 s later: past the 1 s a read is due after
+    m.process(records((KIND_PROGRESS, "desired", 9)))
+    assert (shard.reads, len(producer.sent)) == (1, 2)  # [5, 9) minted from the announced upper, no read
+    assert not m.upper_in_hand()
+    clock[0] += 1.0  # [5, 9)'s upper not announced within 1 s: read
+    shard.upper = 9
+    m.process(records())
+    assert shard.reads == 2 and m.state.persist_frontier == Frontier.at(9) and m.upper_in_hand()
+    # A per-sink query's minter (no backoff) reads once its second has passed, as before.
+    plain = mint.SinkMinter(SinkDef("p", "desired", "c"), m.settings, shard,
+                            MintState("p", epoch=1, partition_count=1, as_of=0, read_only=False, nonce="n"),
+                            Producer())  # type: ignore[arg-type]
+    plain.process(records((KIND_PROGRESS, "desired", 12)))
+    clock[0] += 3.0
+    plain.process(records((KIND_CONTROL, "frontiers", None)), announced=[12])
+    clock[0] += 3.0
+    plain.process(records((KIND_PROGRESS, "desired", 15)))
+    assert shard.reads == 4 and not plain.upper_in_hand()
