@@ -78,8 +78,11 @@ SHARD_REFRESH_S = 1.0
 #: reads the shard after 1 s, or after twice the last description's wait for its announced
 #: upper when that was longer (a busy deployment: a read before it finds nothing new), then
 #: after twice as long each time the upper has not moved, up to this: the appenders'
-#: announcements carry the uppers; the reads only cover a lost one.
-SHARD_REFRESH_MAX_S = 8.0
+#: announcements carry the uppers, and an appender that restarts announces again the upper
+#: it had not saved; the reads only cover an appender gone for good. (At 8 s, 100 sinks on 2
+#: cores, whose steps took 10-20 s, read every waiting sink's shard once a step: a quarter
+#: of the driver's samples, for uppers the next announcement brought anyway.)
+SHARD_REFRESH_MAX_S = 30.0
 
 
 @dataclass

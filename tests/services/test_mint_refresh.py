@@ -190,7 +190,7 @@ def reads_while_waiting(m: Any, clock: list[float], seconds: float) -> list[floa
 def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_while_waiting(monkeypatch: Any) -> None:
     """The shared query's minters (``backoff``): an announcement's upper is absorbed with no
     read of the shard and mints at once; a sink waiting for its upper reads the shard after 1
-    s, then after 2, 4 and 8 s (the most) while it does not move, and after 1 s again once it moved."""
+    s, then after 2, 4, 8, 16 and 30 s (the most) while it does not move, and after 1 s again once it moved."""
     clock, shard, producer, m = shared_minter(monkeypatch)
 
     m.process(records((KIND_PROGRESS, "desired", 5)))
@@ -200,11 +200,11 @@ def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_
     assert (shard.reads, len(producer.sent)) == (1, 2)  # no read: [5, 9) minted from the announced upper
     assert m.state.persist_frontier == Frontier.at(5)
 
-    # 20 s waiting for [5, 9), nothing announced
-    assert reads_while_waiting(m, clock, 20.0) == [1.0, 3.0, 7.0, 15.0]  # 1, 2, 4 and 8 s apart (the most): a lost announcement costs at most 8 s
-    assert shard.reads == 5
+    # 80 s waiting for [5, 9), nothing announced: 1, 2, 4, 8, 16 and 30 s apart (the most)
+    assert reads_while_waiting(m, clock, 80.0) == [1.0, 3.0, 7.0, 15.0, 31.0, 61.0]
+    assert shard.reads == 7 and m.refresh_every == mint.SHARD_REFRESH_MAX_S
     shard.upper = 9  # the upper moves; the next read sees it and the wait starts again at 1 s
-    clock[0] += 8.0
+    clock[0] += mint.SHARD_REFRESH_MAX_S
     m.process(records())
     assert m.state.persist_frontier == Frontier.at(9) and m.refresh_every == mint.SHARD_REFRESH_S
 
@@ -212,7 +212,7 @@ def test_a_shared_minter_takes_announced_uppers_as_read_and_backs_off_its_reads_
 def test_a_shared_minter_waits_twice_its_last_upper_wait_before_its_first_read(monkeypatch: Any) -> None:
     """A busy deployment: the last description's upper was announced 3 s after it was minted,
     so a waiting sink's first read of the shard comes 6 s after the announcement (a read before
-    would find nothing new), then 8 s apart; one that waited 0.2 s reads after 1 s again."""
+    would find nothing new), then 12 s later; one that waited 0.2 s reads after 1 s again."""
     clock, shard, producer, m = shared_minter(monkeypatch)
 
     m.process(records((KIND_PROGRESS, "desired", 5), (KIND_PROGRESS, "desired", 9)))
@@ -223,11 +223,11 @@ def test_a_shared_minter_waits_twice_its_last_upper_wait_before_its_first_read(m
     m.process(records((KIND_PROGRESS, "desired", 12)))
     assert len(producer.sent) == 2  # [9, 12) minted at 103 s
     # 20 s waiting for [9, 12), nothing announced
-    assert reads_while_waiting(m, clock, 20.0) == [6.0, 14.0]  # then 8 s apart (the most)
+    assert reads_while_waiting(m, clock, 20.0) == [6.0, 18.0]  # then twice as long
 
     clock[0] += 0.2
     m.process(records((KIND_CONTROL, "frontiers", None)), announced=[12])
-    assert m.state.persist_frontier == Frontier.at(12) and m.refresh_every == mint.SHARD_REFRESH_MAX_S  # waited 20 s
+    assert m.state.persist_frontier == Frontier.at(12) and m.refresh_every == mint.SHARD_REFRESH_MAX_S  # waited 20 s: 40, at most 30
     m.process(records((KIND_PROGRESS, "desired", 15)))
     assert len(producer.sent) == 3  # [12, 15) minted
     clock[0] += 0.2
