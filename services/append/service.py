@@ -76,8 +76,8 @@ log = logging.getLogger("shardsink.append")
 
 #: A micro-batch starts from the shard head this appender committed or read at most this long
 #: ago, without a read (:meth:`SinkAppender._upper_to_start_from`). Any age is safe; a short
-#: one read again every sink whose steps came slower (at 10 s, 100 sinks on 2 cores, whose
-#: steps took 10-20 s: an eighth of the driver's samples).
+#: one reads again every sink whose steps come slower (at 10 s, in a run of 100 sinks on 2
+#: cores whose steps took 10-30 s: an eighth of the driver's samples).
 HEAD_MAX_AGE_S = 60.0
 
 

@@ -79,9 +79,9 @@ SHARD_REFRESH_S = 1.0
 #: upper when that was longer (a busy deployment: a read before it finds nothing new), then
 #: after twice as long each time the upper has not moved, up to this: the appenders'
 #: announcements carry the uppers, and an appender that restarts announces again the upper
-#: it had not saved; the reads only cover an appender gone for good. (At 8 s, 100 sinks on 2
-#: cores, whose steps took 10-20 s, read every waiting sink's shard once a step: a quarter
-#: of the driver's samples, for uppers the next announcement brought anyway.)
+#: it had not saved; the reads only cover an appender gone for good. (At 8 s, in a run of
+#: 100 sinks on 2 cores whose steps took 10-30 s, these reads were a quarter of the driver's
+#: samples, for uppers the next announcement brought anyway.)
 SHARD_REFRESH_MAX_S = 30.0
 
 
@@ -113,7 +113,7 @@ class SinkMinter:
         it read the shard or was told an upper, and the last description's upper came. The
         appenders announce every upper the shard reaches, so the timed read, which covers a
         lost announcement, waits until a description is in flight (measured at 10 sinks: the
-        read at each step's progress was 2 of a step's 7 or so S3 requests)."""
+        read at each step's progress was 2 of a step's 10 or so S3 requests)."""
         return self.backoff and self.refreshed_at is not None and self.state.persist_advanced()
 
     def refresh_due(self, now: float) -> bool:
