@@ -114,7 +114,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from delta_peer import DeltaTopic, delta_storage_options  # noqa: E402
-from shared.devstack.embedded import process_stat  # noqa: E402
+from shared.devstack.embedded import ProcStat, process_stat  # noqa: E402
 from upper_watch import AnnouncedUpperWatch  # noqa: E402
 
 SCHEMA = {
@@ -247,21 +247,21 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, procs: list[
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system, with reaped children) of ``root`` and every live descendant,
     by pid, with a kind: ``driver`` (root), ``jvm``, ``worker`` (Python under the JVM)."""
-    procs: dict[int, tuple[int, str, float]] = {}
+    procs: dict[int, ProcStat] = {}
     for d in os.listdir("/proc"):
         st = process_stat(int(d)) if d.isdigit() else None
         if st is not None:
-            procs[int(d)] = (st.ppid, st.comm, st.cpu_s)
+            procs[int(d)] = st
     out: dict[int, tuple[str, float]] = {}
     todo = [root]
     while todo:
         pid = todo.pop()
         if pid not in procs:
             continue
-        ppid, comm, cpu = procs[pid]
-        kind = "driver" if pid == root else ("jvm" if comm == "java" else "worker")
-        out[pid] = (kind, cpu)
-        todo.extend(c for c, (pp, _, _) in procs.items() if pp == pid)
+        st = procs[pid]
+        kind = "driver" if pid == root else ("jvm" if st.comm == "java" else "worker")
+        out[pid] = (kind, st.cpu_s)
+        todo.extend(c for c, other in procs.items() if other.ppid == pid)
     return out
 
 
