@@ -15,12 +15,21 @@ endpoint keeps its connections: werkzeug's development server answers every requ
 sides (measured here, 2,400 requests on four threads: per request 1.5-1.7 ms of the server's
 CPU and 1.25-1.45 ms of the client's with werkzeug, 1.3 and 1.17 ms with waitress).
 
+moto checks a write's condition and then writes, with nothing between the two: two
+``If-None-Match: *`` PUTs of one key, decided on two request threads, could both pass the check
+and both answer 200 (seen once in a CI run under load, 2 winners among 6 racing threads). S3
+decides a conditional write atomically, and every compare-and-append here is built on that, so
+the server takes conditional writes one at a time (:class:`SerialConditionalWrites`).
+
 Usage: ``python -m shared.devstack.moto_server HOST PORT``.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 
 #: Request threads (moto's backend holds the GIL; more threads only queue on it).
 THREADS = 8
@@ -29,11 +38,37 @@ THREADS = 8
 CONNECTION_LIMIT = 2000
 
 
+#: The request headers that make a write conditional (WSGI names).
+_CONDITIONS = ("HTTP_IF_NONE_MATCH", "HTTP_IF_MATCH")
+
+
+class SerialConditionalWrites:
+    """WSGI middleware: a conditional write (a ``PUT`` or ``POST`` with ``If-None-Match`` or
+    ``If-Match``) is answered under one lock, its check and its write together, so that of
+    conditional writes racing on a key exactly one wins. Other requests pass untouched."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") not in ("PUT", "POST") or not any(h in environ for h in _CONDITIONS):
+            return self.app(environ, start_response)
+        with self.lock:
+            result = self.app(environ, start_response)
+            try:
+                return [b"".join(result)]  # the write is done once its answer is
+            finally:
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+
+
 def serve(host: str, port: int) -> None:
     import waitress
     from moto.moto_server.werkzeug_app import create_backend_app
 
-    app = create_backend_app("s3")
+    app = SerialConditionalWrites(create_backend_app("s3"))
     # Server errors only reach the log (a line per request costs the server a share of its CPU).
     waitress.serve(app, host=host, port=port, threads=THREADS, connection_limit=CONNECTION_LIMIT,
                    channel_timeout=60, asyncore_use_poll=True, ident="shardsink-embedded-s3", _quiet=True)
