@@ -273,11 +273,11 @@ class Shard:
         return shard
 
     # -- head discovery (see shared.versioned) ----------------------------------------------
-    def refresh(self, *, enough: Callable[[ShardState], bool] | None = None) -> ShardState:
-        """Find the head: from the cached seqno or the hint, probe forward (``enough``: as
-        :meth:`shared.versioned.VersionedLog.refresh`)."""
+    def refresh(self, *, enough: Callable[[ShardState], bool] | None = None, start_at: int | None = None) -> ShardState:
+        """Find the head: from the cached seqno or the hint, probe forward (``enough`` and
+        ``start_at``: as :meth:`shared.versioned.VersionedLog.refresh`)."""
         try:
-            return self._log.refresh(enough=enough)
+            return self._log.refresh(enough=enough, start_at=start_at)
         except ShardNotFoundError:
             raise ShardNotFoundError(
                 f"expected a shard at {self.prefix!r}, found none", shard_id=self.shard_id

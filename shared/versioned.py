@@ -135,13 +135,25 @@ class VersionedLog(Generic[S]):
             return self._newest_by_list()
         return n
 
-    def refresh(self, *, enough: Callable[[S], bool] | None = None) -> S:
+    def refresh(self, *, enough: Callable[[S], bool] | None = None, start_at: int | None = None) -> S:
         """Find the head: from the cached seqno or the hint, probe forward (galloping).
         ``enough``: a caller that needs only a state that passes it (not the newest) reads the
         next states one by one (up to :data:`ENOUGH_GETS`) and takes the first that passes,
         with no probe beyond it (one GET per state instead of HEADs and a GET), or the head
-        when none does."""
+        when none does. ``start_at``: a seqno heard of elsewhere (another process read it),
+        read first when it is beyond the cached head: with ``enough``, taken when it passes;
+        otherwise the search goes on from it. A seqno the store does not hold is ignored: a
+        state object is immutable once written, so whatever is read is this log's."""
         with self._lock:
+            if start_at is not None and (self._head is None or start_at > self._head.seqno):
+                try:
+                    heard = self.decode(self.store.get(self.state_key(start_at)))
+                except ObjectNotFoundError:
+                    heard = None
+                if heard is not None:
+                    self._head, self._confirmed = heard, time.monotonic()
+                    if enough is not None and enough(heard):
+                        return heard
             lo = self._start_seqno()
             step, hi = 1, None
             fetched: tuple[int, bytes] | None = None

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from services.sinkio import KIND_BAD, KIND_UNRESOLVED, KIND_UPDATE, describe_bytes
+from services.write import heads
 from services.write.job import WriteJob
 from shared.avro_arrow import arrow_to_rows
 from shared.avro_columns import ColumnCodec
@@ -106,6 +107,9 @@ class ShardContext:
         self.job = job
         self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
         self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
+        s3 = job.settings.s3
+        #: names the shard among the heads this executor's workers tell each other
+        self.heads_key = f"{s3.endpoint}|{s3.bucket}|{s3.prefix}|{self.shard.prefix}"
         self._columns_of: dict[bytes, Any] = {}
         self._take(self.shard.head(max_age_s=1e9))
 
@@ -483,8 +487,13 @@ class ShardContext:
             return
         state = self.shard.cached() if at_least is not None else None
         if state is None or (at_least is not None and state.upper.less_than(at_least)):
-            # With a lower to reach, the first state that reached it serves (no probe beyond).
-            state = self.shard.refresh(enough=None if at_least is None else (lambda st: not st.upper.less_than(at_least)))
+            # With a lower to reach, the first state that reached it serves (no probe beyond);
+            # the search starts at the newest state another worker of this executor read.
+            told = heads.heard(self.heads_key)
+            state = self.shard.refresh(enough=None if at_least is None else (lambda st: not st.upper.less_than(at_least)),
+                                       start_at=told)
+            if state.seqno != told:
+                heads.tell(self.heads_key, state.seqno)
         self.follow(ws, state)
         if not persist.less_than(state.upper):
             return

@@ -111,6 +111,8 @@ Where the code lives (each module imports only those listed before it):
 
 - :mod:`services.write.job`: the :class:`~services.write.job.WriteJob` the driver hands its
   tasks and the rows they hand back (:data:`~services.write.job.OUTPUT_DDL`);
+- :mod:`services.write.heads`: the shard heads an executor's Python workers tell each other
+  (a seqno hint per shard, so a worker that missed a sink's last steps reads one state);
 - :mod:`services.write.context`: the executor process's view of the shard (read-back, schema
   evolution, staging);
 - :mod:`services.write.executor`: the write step of a writer partition's task (the order

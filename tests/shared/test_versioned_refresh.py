@@ -110,3 +110,51 @@ def test_a_refresh_that_needs_a_state_a_few_behind_the_head_reads_the_states_one
         assert got.seqno == 4 + behind  # the head
         assert store.calls["get"] == ENOUGH_GETS + 2 and store.calls["head"] >= 1, store.calls
     assert log.cached() == got
+
+
+def test_a_seqno_heard_of_elsewhere_is_read_first_and_taken_when_it_is_enough() -> None:
+    """``start_at``: a writer task whose cached head is a few states behind (another Python
+    worker ran the sink's last steps) reads the state that worker told of: one GET, where the
+    states it missed cost a GET each."""
+    store = _Counting()
+    log = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    _write(log, store, 0, 1)
+    log.write_hint(1)
+    log.refresh()
+    _write(log, store, 2, 3, 4, 5)
+    store.calls.clear()
+    assert log.refresh(enough=lambda st: st.seqno >= 5, start_at=5).seqno == 5
+    assert store.calls == Counter({"get": 1})
+    assert log.cached() == _State(5)
+
+    # without the seqno, the same catch-up from 1 walks the missed states
+    behind = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    behind.set_head(_State(1))
+    store.calls.clear()
+    assert behind.refresh(enough=lambda st: st.seqno >= 5).seqno == 5
+    assert store.calls == Counter({"get": 4})
+
+
+def test_a_heard_seqno_that_is_not_enough_is_searched_on_from_and_the_head_is_found() -> None:
+    store = _Counting()
+    log = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    _write(log, store, *range(0, 7))
+    log.set_head(_State(1))
+    store.calls.clear()
+    assert log.refresh(start_at=5).seqno == 6  # GET 5, GET 6, HEAD 7
+    assert store.calls == Counter({"get": 2, "head": 1})
+
+
+@pytest.mark.parametrize("heard", [2, 9, 50])
+def test_a_heard_seqno_behind_the_cached_head_or_missing_from_the_store_changes_nothing(heard: int) -> None:
+    """A seqno is a hint: one behind the cached head is not read; one the store does not hold
+    (another deployment's, a shard created again) costs one GET that finds nothing, and the
+    usual search finds the head."""
+    store = _Counting()
+    log = VersionedLog(store, "p/", _State.decode, max_cache_age_s=60.0)
+    _write(log, store, *range(0, 9))
+    log.set_head(_State(7))
+    store.calls.clear()
+    assert log.refresh(enough=lambda st: st.seqno >= 8, start_at=heard).seqno == 8
+    assert store.calls == (Counter({"get": 1}) if heard < 7 else Counter({"get": 2}))
+    assert log.cached() == _State(8)
