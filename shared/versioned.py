@@ -151,7 +151,7 @@ class VersionedLog(Generic[S]):
                 except ObjectNotFoundError:
                     heard = None
                 if heard is not None:
-                    self._head, self._confirmed = heard, time.monotonic()
+                    self.set_head(heard)
                     if enough is not None and enough(heard):
                         return heard
             lo = self._start_seqno()

@@ -15,9 +15,9 @@ object never changes once written, so a wrong or stale seqno (another deployment
 dropped and created again) costs one GET that finds nothing and is then overwritten; it can
 never make a read-back absorb another shard's contents.
 
-The files live in ``<tmp>/shardsink-heads-<parent pid>/``: Spark forks an executor's Python
-workers from one daemon, so they share the directory, and the first worker to use it removes
-the directories of daemons that are gone.
+The files live in ``<tmp>/shardsink-heads/``, one of a few bytes per shard a write task on
+this host has read: every process on the host shares them, which the hint's check makes
+harmless (another application's seqno of the same shard on the same store is as good).
 """
 
 from __future__ import annotations
@@ -25,44 +25,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
-_PREFIX = "shardsink-heads-"
-_dir: Path | None = None
-
-
-def _heads_dir() -> Path:
-    global _dir
-    if _dir is None or _dir.name != f"{_PREFIX}{os.getppid()}":
-        root = Path(tempfile.gettempdir())
-        for d in root.glob(f"{_PREFIX}*"):
-            pid = d.name[len(_PREFIX):]
-            if pid.isdigit() and int(pid) != os.getppid() and not _alive(int(pid)):
-                shutil.rmtree(d, ignore_errors=True)
-        _dir = root / f"{_PREFIX}{os.getppid()}"
-        _dir.mkdir(exist_ok=True)
-    return _dir
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_DIR = Path(tempfile.gettempdir()) / "shardsink-heads"
 
 
 def _file(shard: str) -> Path:
-    return _heads_dir() / hashlib.sha1(shard.encode()).hexdigest()[:24]
+    return _DIR / hashlib.sha1(shard.encode()).hexdigest()[:24]
 
 
 def heard(shard: str) -> int | None:
-    """The newest seqno of ``shard`` (any string naming it: store and prefix) a worker of this
-    executor told, None when none did (or the file is unreadable)."""
+    """The newest seqno of ``shard`` (any string naming it: store and prefix) a process on this
+    host told, None when none did (or the file is unreadable)."""
     try:
         text = _file(shard).read_text()
     except OSError:
@@ -76,6 +51,7 @@ def tell(shard: str, seqno: int) -> None:
     tmp = None
     try:
         path = _file(shard)
+        path.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
             f.write(str(seqno))
