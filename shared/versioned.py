@@ -147,7 +147,7 @@ class VersionedLog(Generic[S]):
         with self._lock:
             if start_at is not None and (self._head is None or start_at > self._head.seqno):
                 try:
-                    heard = self.decode(self.store.get(self.state_key(start_at)))
+                    heard = self.get_state(start_at)
                 except ObjectNotFoundError:
                     heard = None
                 if heard is not None:

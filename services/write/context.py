@@ -108,7 +108,7 @@ class ShardContext:
         self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
         self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
         s3 = job.settings.s3
-        #: names the shard among the heads this executor's workers tell each other
+        #: names the shard among the heads the write tasks on this host tell each other
         self.heads_key = f"{s3.endpoint}|{s3.bucket}|{s3.prefix}|{self.shard.prefix}"
         self._columns_of: dict[bytes, Any] = {}
         self._take(self.shard.head(max_age_s=1e9))
@@ -488,7 +488,7 @@ class ShardContext:
         state = self.shard.cached() if at_least is not None else None
         if state is None or (at_least is not None and state.upper.less_than(at_least)):
             # With a lower to reach, the first state that reached it serves (no probe beyond);
-            # the search starts at the newest state another worker of this executor read.
+            # the search starts at the newest state another write task on this host read.
             told = heads.heard(self.heads_key)
             state = self.shard.refresh(enough=None if at_least is None else (lambda st: not st.upper.less_than(at_least)),
                                        start_at=told)
