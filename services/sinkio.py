@@ -177,11 +177,13 @@ def _row_codecs(row_schema_json: str) -> tuple[Any, Any]:
 
 class DesiredDecoder:
     """Decodes record batches of the Kafka source into :data:`DECODED_SCHEMA` (or
-    :data:`ROUTED_SCHEMA`) rows; see :func:`decode_partition`."""
+    :data:`ROUTED_SCHEMA`) rows; see :func:`decode_partition`. With ``progress_only``,
+    ``desired_topic`` may be a set of topics whose records are all desired records
+    (:func:`services.mint.progress.decode_statements_on_driver`)."""
 
     def __init__(
         self,
-        desired_topic: str,
+        desired_topic: str | frozenset[str],
         row_schema_json: str | None = None,
         *,
         progress_only: bool = False,
@@ -191,6 +193,8 @@ class DesiredDecoder:
     ) -> None:
         from shared.codec import MARKER, message_codec
 
+        if isinstance(desired_topic, frozenset) and not progress_only:
+            raise ValueError("expected one desired topic for a decoder of updates, found several")
         self.desired_topic = desired_topic
         self.progress_only = progress_only
         self.route_to = route_to
@@ -206,6 +210,8 @@ class DesiredDecoder:
         self.progress_prefix = MARKER + fp + b"\x02"
         self.updates, self.progress = _body_codecs()
         self.out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
+        #: the input rows of the last :meth:`decode`'s output, in order (None: every row)
+        self.kept: Any = None
 
     def decode(self, rb: pa.RecordBatch) -> pa.RecordBatch:
         import numpy as np
@@ -218,7 +224,10 @@ class DesiredDecoder:
         val = rb.column("value")
         if val.type != pa.binary():  # large_binary from Spark's Arrow, null when all are null
             val = val.cast(pa.binary())
-        desired = pc.fill_null(pc.equal(topic, pa.scalar(self.desired_topic, pa.string())), False)
+        if isinstance(self.desired_topic, frozenset):  # several sinks' records (decode_statements_on_driver)
+            desired = pc.fill_null(pc.is_in(topic, value_set=pa.array(sorted(self.desired_topic), pa.string())), False)
+        else:
+            desired = pc.fill_null(pc.equal(topic, pa.scalar(self.desired_topic, pa.string())), False)
         is_desired = desired.to_numpy(zero_copy_only=False)
         head = pc.binary_slice(val, 0, 11)
         is_update = is_desired & pc.fill_null(pc.equal(head, pa.scalar(self.update_prefix, pa.binary())), False).to_numpy(zero_copy_only=False)
@@ -273,9 +282,10 @@ class DesiredDecoder:
                 for i in np.flatnonzero(is_row & (part == qp) & (off >= qs) & (off < qe)):
                     r = row.get(int(i))
                     kind[i] = _K_BAD
-                    err.set(int(i), _quarantined(self.desired_topic, qp, int(off[i]), why, r, self.row_codec))
+                    err.set(int(i), _quarantined(str(topic[int(i)].as_py()), qp, int(off[i]), why, r, self.row_codec))
                     row.set(int(i), None)
         keep_rows = np.flatnonzero(kind != _K_SKIP)
+        self.kept = keep_rows if len(keep_rows) < n else None
         control = kind == _K_CONTROL
         cols = {
             "topic": topic,
@@ -363,7 +373,7 @@ class DesiredDecoder:
         from shared.errors import DecodeError
 
         v = val[i].as_py()
-        where = f"{self.desired_topic}/{int(part[i])}@{int(off[i])}"
+        where = f"{rb.column('topic')[i].as_py()}/{int(part[i])}@{int(off[i])}"  # a desired topic's
         if v is None and "headers" in rb.schema.names:
             gap = _gap(rb.column("headers")[i].as_py())
             if gap is not None:
@@ -575,125 +585,12 @@ def read_planned_batch(
     return None if ranges is None else read_ranges_on_driver(kafka, ranges, skip_prefixes)
 
 
-#: The first window :func:`read_latest_progress` reads back from a range's end.
-LATEST_PROGRESS_WINDOW = 512
-
-
-def read_latest_progress(
-    kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
-) -> pa.Table:
-    """The records of ``topic``/``partition`` in ``[start, end)`` that mint needs: its
-    latest progress statement, read from the end of the range backwards in growing windows
-    (:data:`LATEST_PROGRESS_WINDOW`, then 4x each time) until a window holds one, rather than
-    every record of the range: a partition's progress only moves forward
-    (:class:`shared.desired.DesiredFrontierTracker` ignores a regression), so the last
-    statement of the range is the one that counts, and the updates before it are the write
-    service's (mint reads a few windows per partition per micro-batch, not the topic's
-    updates). The windows' progress statements and other non-update records come back
-    (columns as :func:`read_planned_batch`'s), in offset order; a range without any progress
-    is read whole, from its first offset still on the topic (retention may have deleted the
-    start of a range mint left unread for long). A producer that breaks the contract with a
-    statement below an earlier one in the same range can only make mint's frontier lag until
-    the next statement: minting less is always safe. One range of
-    :func:`read_latest_progress_of`."""
-    return read_latest_progress_of(kafka, topic, {partition: (start, end)}, skip_prefix)
-
-
-def read_latest_progress_of(
-    kafka: Any, topic: str, ranges: Mapping[int, tuple[int, int]], skip_prefix: bytes | None
-) -> pa.Table:
-    """:func:`read_latest_progress` of several partitions of ``topic`` (``{partition: (start,
-    end)}``), their windows read together (:func:`_progress_windows`), sorted by partition
-    then offset; the first range's error is raised."""
-    order = sorted(ranges)
-    found, errors = _progress_windows(kafka, [(topic, p, *ranges[p]) for p in order], skip_prefix)
-    if errors:
-        raise errors[min(errors)]
-    tables = [raw for windows in found for raw, _ in reversed(windows)]
-    return pa.concat_tables(tables) if tables else _empty_raw()
-
-
-def latest_progress_record(
-    kafka: Any, topic: str, partition: int, start: int, end: int, skip_prefix: bytes | None
-) -> tuple[int, bytes] | None:
-    """The offset and value of the latest progress statement of ``topic``/``partition`` in
-    ``[start, end)`` (:func:`read_latest_progress`), None when the range holds none: one range
-    of :func:`latest_progress_records`, whose error is raised."""
-    found = latest_progress_records(kafka, [(topic, partition, start, end)], skip_prefix)[0]
-    if isinstance(found, Exception):
-        raise found
-    return found
-
-
-def latest_progress_records(
-    kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
-) -> list[tuple[int, bytes] | None | Exception]:
-    """The offset and value of the latest progress statement of each ``(topic, partition,
-    start, end)`` (None: the range holds none), or the error of that range alone, from
-    :func:`_progress_windows`."""
-    found, errors = _progress_windows(kafka, ranges, skip_prefix)
-    out: list[tuple[int, bytes] | None | Exception] = []
-    for i, windows in enumerate(found):
-        if i in errors or not windows:
-            out.append(errors.get(i))
-            continue
-        window, decoded = windows[-1]  # only the last window read can hold a statement
-        offsets = [o for k, o in zip(decoded["kind"].to_pylist(), decoded["offset"].to_pylist(), strict=True)
-                   if k == KIND_PROGRESS]
-        if not offsets:
-            out.append(None)
-            continue
-        last = max(offsets)
-        out.append((last, window["value"][window["offset"].to_pylist().index(last)].as_py()))
-    return out
-
-
-def _progress_windows(
-    kafka: Any, ranges: Sequence[tuple[str, int, int, int]], skip_prefix: bytes | None
-) -> tuple[list[list[tuple[pa.Table, pa.Table]]], dict[int, Exception]]:
-    """Per ``(topic, partition, start, end)``, the windows :func:`read_latest_progress` reads
-    back from the range's end, raw and decoded, in the order read (only the last one read can
-    hold a progress statement); and by the index of a range that failed, its error (the
-    windows that range read before it are not to be used; the others are read on). Every range's windows are
-    read together, round after round (:func:`shared.spark.kafka_ranges.read_ranges`: one
-    consumer and one assignment for all, where one read a range costs an assignment, which
-    waits for librdkafka holding the GIL)."""
-    from shared.errors import ShardsinkError
-    from shared.spark.kafka_ranges import Range
-    from shared.spark.kafka_ranges import read_ranges as read_together
-    from shared.spark.kafka_source import _arrow_schema
-
-    schema = _arrow_schema()
-    out: list[list[tuple[pa.Table, pa.Table]]] = [[] for _ in ranges]
-    errors: dict[int, Exception] = {}
-    todo = {i: (r[3], LATEST_PROGRESS_WINDOW) for i, r in enumerate(ranges) if r[3] > r[2]}  # the window's end, size
-    while todo:
-        idx = sorted(todo)
-        specs = [Range(ranges[i][0], ranges[i][1], max(ranges[i][2], todo[i][0] - todo[i][1]), todo[i][0]) for i in idx]
-        # Values and offsets are all the decode needs: no keys, timestamps or headers built.
-        got = read_together(kafka, specs, schema=schema, fail_on_data_loss=False, values_only=True,
-                            skip_prefixes={r.topic: skip_prefix for r in specs} if skip_prefix is not None else None)
-        more: dict[int, tuple[int, int]] = {}
-        for i, r, batches in zip(idx, specs, got, strict=True):
-            if isinstance(batches, Exception):
-                errors[i] = batches if isinstance(batches, ShardsinkError) else ShardsinkError(str(batches))
-                continue
-            windows = out[i]
-            if batches:
-                window = pa.Table.from_batches([b.select(["topic", "partition", "offset", "value"]) for b in batches])
-                decoded = decode_on_driver(window, r.topic, progress_only=True)
-                windows.append((window, decoded))
-                if KIND_PROGRESS in decoded["kind"].to_pylist():
-                    continue
-            if r.start > ranges[i][2]:
-                more[i] = (r.start, todo[i][1] * 4)
-        todo = more
-    return out, errors
+#: Raw records as the driver reads them (:func:`read_planned_batch`).
+RAW_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("value", pa.binary())])
 
 
 def _empty_raw() -> pa.Table:
-    return pa.table({"topic": pa.array([], pa.string()), "partition": pa.array([], pa.int32()),
-                     "offset": pa.array([], pa.int64()), "value": pa.array([], pa.binary())})
+    return RAW_SCHEMA.empty_table()
 
 
 def decode_on_driver(

@@ -20,7 +20,7 @@ Contract (the seeds' mint operator):
 - cost: no Spark job per micro-batch, and no desired record read on the driver: the
   query's source (:mod:`services.mint.source`) finds each admitted desired range's latest
   progress statement while it plans the micro-batch, reading the range's tail back to it
-  (:func:`services.sinkio.read_latest_progress`: a partition's progress only moves forward,
+  (:func:`services.mint.progress.read_latest_progress`: a partition's progress only moves forward,
   so the last statement is the one that counts), and carries it in the offsets Spark logs for
   the micro-batch; the driver takes it from there (:func:`services.mint.source.planned_progress`)
   and reads only the ``frontiers`` records by the logged offsets. The desired updates are the
@@ -52,6 +52,7 @@ import pyarrow as pa
 from services.runtime.settings import ServiceSettings
 from services.runtime.checkpoints import checkpoint_path
 from services.runtime.supervisor import interruptible
+from services.mint.progress import read_latest_progress_of
 from services.runtime.driver_state import DriverStateLog
 from services.sinkio import (
     KIND_CONTROL,
@@ -60,7 +61,6 @@ from services.sinkio import (
     collect_decoded,
     decode_on_driver,
     planned_ranges,
-    read_latest_progress_of,
     read_ranges_on_driver,
     u64,
 )

@@ -38,14 +38,8 @@ from services.runtime.driver_state import DriverStateLog, planned_offsets
 from services.runtime.fleet import Fleet, KeyLocks, prepare, sink_key
 from services.runtime.settings import ServiceSettings
 from services.runtime.supervisor import interruptible
-from services.sinkio import (
-    ControlProducer,
-    decode_on_driver,
-    latest_progress_records,
-    planned_ranges,
-    read_latest_progress_of,
-    read_ranges_on_driver,
-)
+from services.mint.progress import decode_statements_on_driver, latest_progress_records, read_latest_progress_of
+from services.sinkio import RAW_SCHEMA, ControlProducer, decode_on_driver, planned_ranges, read_ranges_on_driver
 from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
@@ -55,7 +49,6 @@ log = logging.getLogger("shardsink.mint")
 
 #: Sinks whose steps run side by side (threads: S3 round trips).
 PARALLEL_SINKS = 8
-_EMPTY_RAW = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("value", pa.binary())])
 
 
 @dataclass
@@ -183,21 +176,33 @@ class SharedMint:
             if news or first or waiting or m.unread or m.state.read_only:
                 work.append((key, sink, m))  # else nothing new for this sink: it costs nothing
 
+        def raw_of(key: str, sink: Any) -> pa.Table:
+            rows = [(t, p, o, v) for t, p, o, v in statements.get(key, [])]
+            rows += [(s.frontiers_topic, 0, o, v) for o, v in announced.get(sink.collection_id, [])]
+            return pa.table({
+                "topic": pa.array([r[0] for r in rows], pa.string()),
+                "partition": pa.array([r[1] for r in rows], pa.int32()),
+                "offset": pa.array([r[2] for r in rows], pa.int64()),
+                "value": pa.array([r[3] for r in rows], pa.binary()),
+            }, schema=RAW_SCHEMA)
+
+        # Every sink's statements decoded as one batch (a decoder's fixed cost is most of a
+        # sink's); should that fail, each sink decodes its own, its failure its own.
+        decoded: dict[str, pa.Table] = {}
+        if all(sink.desired_topic != s.frontiers_topic for _, sink, _ in work):
+            try:
+                tables = decode_statements_on_driver([(sink.desired_topic, raw_of(key, sink)) for key, sink, _ in work])
+                decoded = {key: t for (key, _, _), t in zip(work, tables, strict=True)}
+            except Exception as e:  # noqa: BLE001 - each sink's step decodes its own then
+                log.warning("decoding the sinks' statements together failed, each sink decodes its own: %s", e)
+
         def run(item: tuple[str, Any, SinkMinter]) -> Exception | None:
             key, sink, m = item
             try:
                 for p, a, b in unread.get(key, []):
                     m.note_unread(p, a, b)
-                rows = [(t, p, o, v) for t, p, o, v in statements.get(key, [])]
-                rows += [(s.frontiers_topic, 0, o, v) for o, v in announced.get(sink.collection_id, [])]
                 for _, p, o, _ in statements.get(key, []):
                     m.note_read(p, o)
-                raw = pa.table({
-                    "topic": pa.array([r[0] for r in rows], pa.string()),
-                    "partition": pa.array([r[1] for r in rows], pa.int32()),
-                    "offset": pa.array([r[2] for r in rows], pa.int64()),
-                    "value": pa.array([r[3] for r in rows], pa.binary()),
-                }, schema=_EMPTY_RAW)
                 topic = sink.desired_topic
 
                 def read_unread(ur: dict[int, tuple[int, int]]) -> pa.Table:
@@ -206,7 +211,8 @@ class SharedMint:
 
                 if first:
                     m.refreshed_at = None  # a new checkpoint: read the shard now
-                m.process(decode_on_driver(raw, topic, progress_only=True), read_unread,
+                got = decoded.get(key)
+                m.process(got if got is not None else decode_on_driver(raw_of(key, sink), topic, progress_only=True), read_unread,
                           announced=uppers.get(sink.collection_id), flush=False)
             except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
                 return e

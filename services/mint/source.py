@@ -13,11 +13,11 @@ with an upper announcement on ``frontiers`` (the news that ends the hold, in the
 micro-batch) or at least every :data:`shared.spark.kafka_source.ADMIT_EVERY_S` (mint then reads the shard's state in
 case an announcement was lost). Admission control only ever delays records: the next
 admitted micro-batch covers every held one, and mint reads each desired partition's range
-back to its latest progress statement (:func:`services.sinkio.read_latest_progress`).
+back to its latest progress statement (:func:`services.mint.progress.read_latest_progress`).
 
 It also finds, while planning, what mint needs of the admitted desired records: each
 partition's latest progress statement (read back from the range's end,
-:func:`services.sinkio.latest_progress_record`), carried in the micro-batch's offsets under
+:func:`services.mint.progress.latest_progress_record`), carried in the micro-batch's offsets under
 :data:`PROGRESS_KEY` (an annotation, which the Kafka source's offsets leave out:
 ``{"<partition>": [offset, base64 value]}``, the latest statement below the partition's end
 offset that the source has seen, ``[-1, null]`` for none). Spark logs the offsets with the
@@ -152,7 +152,7 @@ class MintStreamReader(HoldingStreamReader):
         """The desired ranges ``(partition, start, end)`` of ``[start, end)`` that are not empty,
         and the latest progress statement of each (None: none; an error: its tail could not be
         read). The ranges last read are answered again without a read."""
-        from services.sinkio import latest_progress_records
+        from services.mint.progress import latest_progress_records
 
         topic = self.hold["desired_topic"]
         ranges = [(p, start.get(topic, {}).get(p, 0), b) for p, b in sorted(end.get(topic, {}).items())]
@@ -249,7 +249,7 @@ class MintFleetReader(HoldFileReader):
     :class:`MintStreamReader` does for one sink: ``{"<sink>@<epoch>": {"<partition>": [offset,
     base64 value]}}`` under :data:`PROGRESS_KEY` (``[-1, null]``: none; no entry: its tail could
     not be read, and the driver reads it). The tails are read here, in the source runner, together
-    (:func:`services.sinkio.latest_progress_records`), so the driver coordinates and reads no
+    (:func:`services.mint.progress.latest_progress_records`), so the driver coordinates and reads no
     desired record. While the driver holds
     sinks back and nothing else comes, it makes a micro-batch every :data:`HELD_TICK_S` (the
     driver reads a waiting sink's shard in case its upper's announcement was lost)."""
@@ -257,7 +257,7 @@ class MintFleetReader(HoldFileReader):
     _ticked: float = 0.0
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        from services.sinkio import latest_progress_records
+        from services.mint.progress import latest_progress_records
 
         end = super().latestOffset(start, limit)
         s, e = offsets_from_json(start), offsets_from_json(end)

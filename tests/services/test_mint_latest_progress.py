@@ -1,5 +1,5 @@
 """Mint reads only the tail of each desired range, back to its latest progress statement
-(:func:`services.sinkio.read_latest_progress`), against the real broker: the desired
+(:func:`services.mint.progress.read_latest_progress`), against the real broker: the desired
 frontier it learns equals the one of reading every record, for ranges whose latest statement
 is near their end, far from it, absent, or closed."""
 
@@ -11,8 +11,10 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pytest
 
+import services.mint.progress as progress
 import services.sinkio as sinkio
-from services.sinkio import KIND_PROGRESS, decode_on_driver, read_latest_progress
+from services.mint.progress import read_latest_progress
+from services.sinkio import KIND_PROGRESS, decode_on_driver
 from shared.codec import MARKER, RowCodec, message_codec
 from shared.desired import encode_progress, encode_update
 from shared.devstack.embedded import EmbeddedStack
@@ -101,13 +103,13 @@ def test_the_tail_read_reads_a_few_windows_not_the_range(
 
     monkeypatch.setattr(kr, "read_ranges", counting)
     tail = read_latest_progress(kafka, topic, 0, 0, n, UPDATE_PREFIX)
-    assert windows == [(n - sinkio.LATEST_PROGRESS_WINDOW, n)]
+    assert windows == [(n - progress.LATEST_PROGRESS_WINDOW, n)]
     assert frontier_of(tail, topic) == Frontier.empty()
     # The stretch of 3,000 updates without a statement: windows grow until one holds it.
     windows.clear()
     read_latest_progress(kafka, topic, 0, 0, n - 11, UPDATE_PREFIX)
     sizes = [hi - lo for lo, hi in windows]
-    assert sizes[0] == sinkio.LATEST_PROGRESS_WINDOW and all(b == 4 * a for a, b in zip(sizes, sizes[1:-1]))
+    assert sizes[0] == progress.LATEST_PROGRESS_WINDOW and all(b == 4 * a for a, b in zip(sizes, sizes[1:-1]))
     assert windows[0][1] == n - 11 and all(w[1] == v[0] for v, w in zip(windows, windows[1:]))
     assert sum(sizes) < n - 11
 
@@ -124,8 +126,8 @@ def test_the_tails_of_many_ranges_read_together_find_what_each_read_alone_finds(
     rng = random.Random(5)
     ranges = [(topic, 0, 0, n), (topic, 0, 0, n - 11), (topic, 0, n - 3011, n - 11), (topic, 0, 7, 7), (topic, 0, n - 11, n)]
     ranges += [(topic, 0, a, min(n, a + rng.choice([1, 40, 600, 5000]))) for a in (rng.randrange(n) for _ in range(12))]
-    got = sinkio.latest_progress_records(kafka, ranges, UPDATE_PREFIX)
-    want = [sinkio.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
+    got = progress.latest_progress_records(kafka, ranges, UPDATE_PREFIX)
+    want = [progress.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
     assert got == want
     assert want[1] is not None and want[2] is None and want[3] is None  # found after growing windows; none; empty
 
@@ -154,14 +156,14 @@ def test_a_range_that_cannot_be_read_gets_its_own_error_and_the_others_their_sta
                 for r, g in zip(specs, got, strict=True)]
 
     ranges = [(topic, 0, 0, n - 11), (topic, 0, 0, n - 3011), (topic, 0, n - 3011, n - 11)]
-    want = [sinkio.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
+    want = [progress.latest_progress_record(kafka, t, p, a, b, UPDATE_PREFIX) for t, p, a, b in ranges]
     assert want[0] is not None and want[1] is not None and want[2] is None
     monkeypatch.setattr(kafka_ranges, "read_ranges", failing_second_round)
-    got = sinkio.latest_progress_records(kafka, ranges, UPDATE_PREFIX)
+    got = progress.latest_progress_records(kafka, ranges, UPDATE_PREFIX)
     assert len(rounds) > 1
     assert isinstance(got[1], ShardsinkError) and "cut off" in str(got[1])
     assert [got[0], got[2]] == [want[0], want[2]]
     rounds.clear()
     fail_from[0] = 1
     with pytest.raises(KafkaTimeoutError, match="cut off"):
-        sinkio.read_latest_progress_of(kafka, topic, {0: (0, n - 3011)}, UPDATE_PREFIX)
+        progress.read_latest_progress_of(kafka, topic, {0: (0, n - 3011)}, UPDATE_PREFIX)

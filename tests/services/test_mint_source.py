@@ -88,7 +88,7 @@ def test_updates_without_a_statement_are_held_until_one_ends_the_wait_each_read_
     no progress statement (each look reads only the records after the last one it read), waits
     for the next records, and answers with the statement that ends the wait; news on
     ``frontiers`` and a second without admission admit the updates anyway."""
-    import services.sinkio as sinkio
+    import services.mint.progress as progress
     from tests.services.test_source_wait import Later
 
     desired, frontiers = f"mint-q-{unique_id}", f"mint-qf-{unique_id}"
@@ -98,13 +98,13 @@ def test_updates_without_a_statement_are_held_until_one_ends_the_wait_each_read_
     ms.write_hold(str(hold), False)
     r = reader(stack, desired, frontiers, hold, waitForRecordsMs="20000")
     reads: list[tuple[int, int]] = []
-    real = sinkio.latest_progress_records
+    real = progress.latest_progress_records
 
     def counted(settings: Any, ranges: Any, prefix: Any) -> Any:
         reads.extend((a, b) for _, _, a, b in ranges)
         return real(settings, ranges, prefix)
 
-    monkeypatch.setattr(sinkio, "latest_progress_records", counted)
+    monkeypatch.setattr(progress, "latest_progress_records", counted)
     limit: Any = r.getDefaultReadLimit()
     later = Later(stack.bootstrap_servers)
     try:
@@ -193,7 +193,7 @@ def test_the_source_finds_each_desired_ranges_latest_progress_statement_while_pl
 
 def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired: str, prefix: bytes,
                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.sinkio import latest_progress_record
+    from services.mint.progress import latest_progress_record
     from shared.codec import RowCodec
     from shared.desired import encode_progress, encode_update
     from shared.errors import KafkaUnavailableError
@@ -233,7 +233,7 @@ def check_latest_progress(r: ms.MintStreamReader, stack: EmbeddedStack, desired:
     def unavailable(*a: Any) -> None:
         raise KafkaUnavailableError("broker gone")
 
-    monkeypatch.setattr("services.sinkio.latest_progress_records", unavailable)
+    monkeypatch.setattr("services.mint.progress.latest_progress_records", unavailable)
     end = r.latestOffset(start, limit)
     got = ms.planned_progress(end)
     assert 0 not in got and got[1] == (25, encode_progress(1, Frontier.at(9)))
