@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import logging
 import os
 import sys
 import time
@@ -44,7 +45,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit
 
-from services.sinkio import decode_partition
+from services.sinkio import decode_partition, decode_units
 from services.write.executor import run_write_step
 from services.write.job import WriteJob
 from services.write.source import _batch_id
@@ -55,6 +56,8 @@ from shared.spark.fleet_source import FleetStreamReader, SinkRange, members_opti
 from shared.spark.kafka_connector import KafkaDataSource
 from shared.spark.kafka_source import KafkaInputPartition, SourceOptions, read_range
 from shared.spark.worker_heap import settle
+
+log = logging.getLogger("shardsink.write")
 
 #: One row per unit and kind: ``sink`` is the sink's key (``<sink>@<epoch>``).
 SHARED_OUTPUT_DDL = "sink string, wp int, kind string, body string"
@@ -324,11 +327,12 @@ class WriteFleetReader(FleetStreamReader):
         batch_id = _batch_id()
 
         def run(units: list[WriteUnit], inputs: Mapping[int, Any]) -> list[pa.RecordBatch]:
-            return [b for u in units for b in self._run_unit(u, batch_id, inputs[id(u)])]
+            return [b for u in units for b in self._run_unit(u, batch_id, inputs[id(u)], decoded.get(id(u)))]
 
         out: list[pa.RecordBatch] = []
         for wave in _waves(partition.units):
             inputs = self._prefetch(wave)
+            decoded = _decode_together(wave, inputs)
             groups: dict[str, list[WriteUnit]] = {}
             for u in wave:
                 groups.setdefault(u.key, []).append(u)
@@ -370,15 +374,20 @@ class WriteFleetReader(FleetStreamReader):
             got[id(u)] = batches if isinstance(batches, Exception) else head + batches
         return got
 
-    def _run_unit(self, u: WriteUnit, batch_id: int, got: list[pa.RecordBatch] | Exception) -> list[pa.RecordBatch]:
+    def _run_unit(self, u: WriteUnit, batch_id: int, got: list[pa.RecordBatch] | Exception,
+                  decoded: pa.RecordBatch | None = None) -> list[pa.RecordBatch]:
+        """Unit ``u``'s write step on its input ``got`` (decoded already: ``decoded``)."""
         job = u.job
         try:
             if isinstance(got, Exception):
                 raise got
-            fn = decode_partition(job.sink.desired_topic, job.schema_json, route_to=job.partitions, executor=False,
-                                  quarantine=list(u.quarantine), only_wp=u.wp)
-            raw = itertools.chain(got, [_control_batch(job.descs_topic, u.descs)] if u.descs else [])
-            out = list(run_write_step(job, u.wp, batch_id, fn(raw)))
+            if decoded is None:
+                fn = decode_partition(job.sink.desired_topic, job.schema_json, route_to=job.partitions, executor=False,
+                                      quarantine=list(u.quarantine), only_wp=u.wp)
+                decoded_input: Iterator[pa.RecordBatch] = fn(_unit_input(u, got))
+            else:
+                decoded_input = iter([decoded])
+            out = list(run_write_step(job, u.wp, batch_id, decoded_input))
         except Exception as e:  # noqa: BLE001 - a unit's failure is its sink's alone
             _discard_version(u, batch_id)
             body = {
@@ -391,6 +400,35 @@ class WriteFleetReader(FleetStreamReader):
             row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
             return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
         return [_with_sink(b, u.key) for b in out if b.num_rows]
+
+
+def _unit_input(u: WriteUnit, got: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """A unit's raw input: its desired records, then its sink's descriptions."""
+    return itertools.chain(got, [_control_batch(u.job.descs_topic, u.descs)] if u.descs else [])
+
+
+def _decode_together(wave: Sequence[WriteUnit], inputs: Mapping[int, Any]) -> dict[int, pa.RecordBatch]:
+    """The inputs of a wave's units decoded as one batch per collection schema and writer
+    partition count (:func:`services.sinkio.decode_units`; a decoder's fixed cost is most of a
+    unit's few records), by unit id. A unit under quarantine, or whose input failed, decodes
+    its own (:meth:`WriteFleetReader._run_unit`), as does every unit of a group whose decode
+    together fails: its failure is then its own."""
+    groups: dict[tuple[str | None, int], list[WriteUnit]] = {}
+    for u in wave:
+        if not u.quarantine and not isinstance(inputs[id(u)], Exception):
+            groups.setdefault((u.job.schema_json, u.job.partitions), []).append(u)
+    out: dict[int, pa.RecordBatch] = {}
+    for (schema_json, partitions), units in groups.items():
+        if len(units) < 2 or {u.job.descs_topic for u in units} & {u.job.sink.desired_topic for u in units}:
+            continue
+        try:
+            got = decode_units([(u.job.sink.desired_topic, list(_unit_input(u, inputs[id(u)])), u.wp) for u in units],
+                               schema_json, partitions)
+        except Exception:  # noqa: BLE001 - each unit decodes its own then
+            log.warning("decoding %d units together failed; each decodes its own", len(units), exc_info=True)
+            continue
+        out.update((id(u), b) for u, b in zip(units, got, strict=True))
+    return out
 
 
 def _waves(units: Sequence[WriteUnit]) -> list[list[WriteUnit]]:
