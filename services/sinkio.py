@@ -143,7 +143,7 @@ _PROGRESS_BODY = {"type": "record", "name": "Progress", "fields": [
 
 
 @functools.cache
-def _body_codecs() -> tuple[Any, Any]:
+def body_codecs() -> tuple[Any, Any]:
     """The column codecs of the desired message's update and progress bodies (built once per
     process: mint builds a decoder for every window it reads)."""
     from shared.avro_columns import ColumnCodec
@@ -206,7 +206,7 @@ class DesiredDecoder:
         fp = message_codec("desired").fingerprint
         self.update_prefix = MARKER + fp + b"\x00"
         self.progress_prefix = MARKER + fp + b"\x02"
-        self.updates, self.progress = _body_codecs()
+        self.updates, self.progress = body_codecs()
         self.out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
         #: the input rows of the last :meth:`decode`'s output, in order (None: every row)
         self.kept: Any = None

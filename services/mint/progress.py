@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.sinkio import DECODED_SCHEMA, KIND_PROGRESS, RAW_SCHEMA, DesiredDecoder, _body_codecs, _empty_raw, decode_on_driver
+from services.sinkio import DECODED_SCHEMA, KIND_PROGRESS, RAW_SCHEMA, DesiredDecoder, body_codecs, decode_on_driver
 
 #: The first window :func:`read_latest_progress` reads back from a range's end.
 LATEST_PROGRESS_WINDOW = 512
@@ -48,7 +48,7 @@ def read_latest_progress_of(
     if errors:
         raise errors[min(errors)]
     tables = [raw for windows in found for raw, _ in reversed(windows)]
-    return pa.concat_tables(tables) if tables else _empty_raw()
+    return pa.concat_tables(tables) if tables else RAW_SCHEMA.empty_table()
 
 
 def latest_progress_record(
@@ -160,7 +160,7 @@ def progress_offsets(windows: Sequence[tuple[str, pa.Table]]) -> list[list[int]]
     good = np.zeros(len(values), bool)
     ip = np.flatnonzero(is_progress)
     if len(ip):
-        d = _body_codecs()[1].decode(values.take(pa.array(ip)), skip=len(MARKER) + len(fp) + 1)
+        d = body_codecs()[1].decode(values.take(pa.array(ip)), skip=len(MARKER) + len(fp) + 1)
         ok = ip[d.ok]
         good[ok[d.table["partition"].to_numpy(zero_copy_only=False) >= 0]] = True
     out: list[list[int]] = []

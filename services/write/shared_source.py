@@ -10,10 +10,12 @@ Idle sinks get no unit, so a hundred idle sinks cost no task. Units are packed i
 (:func:`pack_units`), each carrying its sink's :class:`services.write.job.WriteJob`.
 
 Execution (executors): a task reads its units' desired ranges together (one consumer, one
-assignment: :mod:`shared.spark.kafka_ranges`), then runs its units, the units of one sink one
-after the other and different sinks' units side by side on a few threads (their time is mostly
-S3 round trips); each unit decodes its input and runs the write step of
-:mod:`services.write.executor` exactly as a per-sink query does, with its state versioned by
+assignment: :mod:`shared.spark.kafka_ranges`) and decodes them together (one batch per
+collection schema, :func:`services.sinkio.decode_units`: a decoder's fixed cost is most of a
+unit's few records), then runs its units, the units of one sink one after the other and
+different sinks' units side by side on a few threads (their time is mostly S3 round trips);
+each unit runs the write step of :mod:`services.write.executor` on its own rows exactly as a
+per-sink query does, with its state versioned by
 the shared query's micro-batch ids under the sink's own folder. A unit that fails yields a
 ``fail`` row instead of failing the task: one sink's failure is that sink's alone.
 
