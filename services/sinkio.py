@@ -143,6 +143,16 @@ _PROGRESS_BODY = {"type": "record", "name": "Progress", "fields": [
 
 
 @functools.cache
+def desired_prefixes() -> tuple[bytes, bytes]:
+    """The value prefixes (single-object header and union index, 11 bytes) of a desired update
+    and of a progress statement framed with the current desired schema."""
+    from shared.codec import MARKER, message_codec
+
+    fp = message_codec("desired").fingerprint
+    return MARKER + fp + b"\x00", MARKER + fp + b"\x02"
+
+
+@functools.cache
 def body_codecs() -> tuple[Any, Any]:
     """The column codecs of the desired message's update and progress bodies (built once per
     process: mint builds a decoder for every window it reads)."""
@@ -191,7 +201,7 @@ class DesiredDecoder:
         quarantine: list[tuple[int, int, int, str]] | None = None,
         only_wp: int | None = None,
     ) -> None:
-        from shared.codec import MARKER, message_codec
+        from shared.codec import MARKER
 
         self.desired_topic = desired_topic
         self.progress_only = progress_only
@@ -203,9 +213,7 @@ class DesiredDecoder:
         codecs: tuple[Any, Any] = _row_codecs(row_schema_json) if row_schema_json else (None, None)
         self.row_codec, self.rows = codecs
         self.row_header = MARKER + self.row_codec.fingerprint if self.row_codec is not None else b""
-        fp = message_codec("desired").fingerprint
-        self.update_prefix = MARKER + fp + b"\x00"
-        self.progress_prefix = MARKER + fp + b"\x02"
+        self.update_prefix, self.progress_prefix = desired_prefixes()
         self.updates, self.progress = body_codecs()
         self.out_schema = ROUTED_SCHEMA if route_to is not None else DECODED_SCHEMA
         #: the input rows of the last :meth:`decode`'s output, in order (None: every row)
@@ -621,18 +629,28 @@ def decode_units(
     what each unit's alone makes of its records as long as no unit holds records of another
     unit's desired topic that are not of its own (a write unit holds its desired topic's and
     the descriptions topic's)."""
+    decoder = DesiredDecoder(frozenset(t for t, _, _ in units), row_schema_json, route_to=route_to)
+    return decode_together(decoder, [batches for _, batches, _ in units], [wp for _, _, wp in units])
+
+
+def decode_together(
+    decoder: DesiredDecoder, inputs: Sequence[Sequence[pa.RecordBatch]], control_wps: Sequence[int] | None = None
+) -> list[pa.RecordBatch]:
+    """Per input (raw batches of the Kafka source's columns, or ``topic, partition, offset,
+    value``), its rows of one ``decoder.decode`` of all inputs' rows together, in order;
+    ``control_wps``: per input, the writer partition of its control records."""
     import numpy as np
 
-    parts = [(i, b) for i, (_, batches, _) in enumerate(units) for b in batches if b.num_rows]
+    parts = [(i, b) for i, batches in enumerate(inputs) for b in batches if b.num_rows]
     if not parts:
-        return [pa.RecordBatch.from_pylist([], schema=ROUTED_SCHEMA) for _ in units]
+        return [pa.RecordBatch.from_pylist([], schema=decoder.out_schema) for _ in inputs]
     batch = pa.Table.from_batches([b for _, b in parts]).combine_chunks().to_batches()[0]
     owner = np.repeat(np.array([i for i, _ in parts]), [b.num_rows for _, b in parts])
-    decoder = DesiredDecoder(frozenset(t for t, _, _ in units), row_schema_json, route_to=route_to)
-    out = decoder.decode(batch, control_wps=np.array([wp for _, _, wp in units], np.int32)[owner])
+    wps = None if control_wps is None else np.array(control_wps, np.int32)[owner]
+    out = decoder.decode(batch, control_wps=wps)
     if decoder.kept is not None:
         owner = owner[decoder.kept]
-    return [out.filter(pa.array(owner == i)) for i in range(len(units))]
+    return [out.filter(pa.array(owner == i)) for i in range(len(inputs))]
 
 
 def u64(v: int | None) -> int | None:

@@ -11,7 +11,16 @@ from typing import Any
 
 import pyarrow as pa
 
-from services.sinkio import DECODED_SCHEMA, KIND_PROGRESS, RAW_SCHEMA, DesiredDecoder, body_codecs, decode_on_driver
+from services.sinkio import (
+    DECODED_SCHEMA,
+    KIND_PROGRESS,
+    RAW_SCHEMA,
+    DesiredDecoder,
+    body_codecs,
+    decode_on_driver,
+    decode_together,
+    desired_prefixes,
+)
 
 #: The first window :func:`read_latest_progress` reads back from a range's end.
 LATEST_PROGRESS_WINDOW = 512
@@ -148,19 +157,17 @@ def progress_offsets(windows: Sequence[tuple[str, pa.Table]]) -> list[list[int]]
     import numpy as np
     import pyarrow.compute as pc
 
-    from shared.codec import MARKER, message_codec
-
     if not windows:
         return []
-    fp = message_codec("desired").fingerprint
+    update, progress = desired_prefixes()
     values = pa.chunked_array([w.column("value").cast(pa.binary()) for _, w in windows], pa.binary()).combine_chunks()
-    head = pc.binary_slice(values, 0, len(MARKER) + len(fp) + 1)
-    is_update = pc.fill_null(pc.equal(head, pa.scalar(MARKER + fp + b"\x00", pa.binary())), False).to_numpy(zero_copy_only=False)
-    is_progress = pc.fill_null(pc.equal(head, pa.scalar(MARKER + fp + b"\x02", pa.binary())), False).to_numpy(zero_copy_only=False)
+    head = pc.binary_slice(values, 0, len(progress))
+    is_update = pc.fill_null(pc.equal(head, pa.scalar(update, pa.binary())), False).to_numpy(zero_copy_only=False)
+    is_progress = pc.fill_null(pc.equal(head, pa.scalar(progress, pa.binary())), False).to_numpy(zero_copy_only=False)
     good = np.zeros(len(values), bool)
     ip = np.flatnonzero(is_progress)
     if len(ip):
-        d = body_codecs()[1].decode(values.take(pa.array(ip)), skip=len(MARKER) + len(fp) + 1)
+        d = body_codecs()[1].decode(values.take(pa.array(ip)), skip=len(progress))
         ok = ip[d.ok]
         good[ok[d.table["partition"].to_numpy(zero_copy_only=False) >= 0]] = True
     out: list[list[int]] = []
@@ -185,25 +192,10 @@ def decode_statements_on_driver(items: Sequence[tuple[str, pa.Table]]) -> list[p
     desired records, which is what each item's alone makes of them as long as no item holds
     records of another item's desired topic that are not of its own (mint's items hold their
     desired topic's and the frontiers topic's)."""
-    import numpy as np
-
-    if len(items) < 2:
-        return [decode_on_driver(raw, topic, progress_only=True) for topic, raw in items]
-    names = ["topic", "partition", "offset", "value"]
-    raws = [raw.select(names).cast(RAW_SCHEMA) for _, raw in items]
-    total = sum(r.num_rows for r in raws)
-    if not total:
-        return [DECODED_SCHEMA.empty_table() for _ in items]
-    batch = pa.concat_tables(raws).combine_chunks().to_batches()[0]
     decoder = DesiredDecoder(frozenset(t for t, _ in items), None, progress_only=True)
-    out = pa.Table.from_batches([decoder.decode(batch)], schema=DECODED_SCHEMA)
-    owner = np.repeat(np.arange(len(raws)), [r.num_rows for r in raws])
-    if decoder.kept is not None:
-        owner = owner[decoder.kept]
+    names = ["topic", "partition", "offset", "value"]
     tables = []
-    for i in range(len(raws)):
-        t = out.filter(pa.array(owner == i))
-        if t.num_rows:
-            t = t.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
-        tables.append(t)
+    for b in decode_together(decoder, [raw.select(names).cast(RAW_SCHEMA).to_batches() for _, raw in items]):
+        t = pa.Table.from_batches([b], schema=DECODED_SCHEMA)
+        tables.append(t.sort_by([("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")]) if t.num_rows else t)
     return tables

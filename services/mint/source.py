@@ -300,9 +300,9 @@ def fleet_planned_progress(offsets: Mapping[str, Any] | None) -> dict[str, dict[
 
 def update_prefix() -> bytes:
     """The value prefix of a desired update of the current schema (mint skips updates)."""
-    from shared.codec import MARKER, message_codec
+    from services.sinkio import desired_prefixes
 
-    return MARKER + message_codec("desired").fingerprint + b"\x00"
+    return desired_prefixes()[0]
 
 
 class MintFleetDataSource(KafkaDataSource):
