@@ -140,6 +140,8 @@ SETTINGS: tuple[Setting, ...] = (
             "S3 bucket", required=True),
     Setting("s3.prefix",                     "SHARDSINK_S3_PREFIX",               "--s3-prefix",               "", str,
             "S3 key prefix"),
+    Setting("s3.client",                     "SHARDSINK_S3_CLIENT",               "--s3-client",               "obstore", str,
+            "what sends the steps' S3 requests (GET, PUT, HEAD of one object): obstore, or boto3 like the rest"),
     _elsewhere("AWS_ACCESS_KEY_ID", "S3 access key (unset: the AWS credential chain)"),
     _elsewhere("AWS_SECRET_ACCESS_KEY", "S3 secret key (unset: the AWS credential chain)"),
     _elsewhere("AWS_ACCESS_KEY_ID_FILE", "file holding the S3 access key"),

@@ -48,7 +48,6 @@ from pyspark.sql.datasource import InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit
 
 from services.sinkio import decode_partition, decode_units
-from services.write.executor import run_write_step
 from services.write.job import WriteJob
 from services.write.source import _batch_id
 from shared.codec import message_codec
@@ -389,6 +388,8 @@ class WriteFleetReader(FleetStreamReader):
                 decoded_input: Iterator[pa.RecordBatch] = fn(_unit_input(u, got))
             else:
                 decoded_input = iter([decoded])
+            from services.write.executor import run_write_step  # executors only (see source.py)
+
             out = list(run_write_step(job, u.wp, batch_id, decoded_input))
         except Exception as e:  # noqa: BLE001 - a unit's failure is its sink's alone
             _discard_version(u, batch_id)

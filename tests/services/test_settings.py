@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "s3.endpoint": None,
     "s3.bucket": "shardsink",
     "s3.prefix": "",
+    "s3.client": "obstore",
     "checkpoint_dir": "/tmp/shardsink-checkpoints",
     "descs_topic": "descs",
     "batches_topic": "batches",
@@ -65,6 +66,7 @@ OVERRIDES: dict[str, tuple[str | None, str | None, str, Any]] = {
     "s3.endpoint": ("SHARDSINK_S3_ENDPOINT", "--s3-endpoint", "http://s3:9000", "http://s3:9000"),
     "s3.bucket": ("SHARDSINK_S3_BUCKET", "--bucket", "lake", "lake"),
     "s3.prefix": ("SHARDSINK_S3_PREFIX", "--s3-prefix", "team/a", "team/a"),
+    "s3.client": ("SHARDSINK_S3_CLIENT", "--s3-client", "boto3", "boto3"),
     "checkpoint_dir": ("SHARDSINK_CHECKPOINT_DIR", "--checkpoint-dir", "/ckpt", "/ckpt"),
     "descs_topic": ("SHARDSINK_TOPIC_DESCS", "--descs-topic", "d2", "d2"),
     "batches_topic": ("SHARDSINK_TOPIC_BATCHES", "--batches-topic", "b2", "b2"),
@@ -160,7 +162,7 @@ def test_each_variable_sets_its_field(field: str) -> None:
 def test_each_flag_sets_its_field_and_beats_its_variable(field: str) -> None:
     env, flag, text, expected = OVERRIDES[field]
     assert flag is not None
-    env_text = "1" if isinstance(expected, int) else "2/3" if isinstance(expected, SinkShard) else "shared" if field == "queries" else "from-the-environment"
+    env_text = "1" if isinstance(expected, int) else "2/3" if isinstance(expected, SinkShard) else "shared" if field == "queries" else "obstore" if field == "s3.client" else "from-the-environment"
     environment = {env: env_text} if env is not None else {}
     settings = ServiceSettings.from_env_and_args(parser().parse_args([flag, text]), environment)
     assert get(settings, field) == expected
@@ -177,6 +179,7 @@ def test_the_flags_are_the_services_flags_each_naming_its_variable_and_default()
         "--s3-endpoint",
         "--bucket",
         "--s3-prefix",
+        "--s3-client",
         "--checkpoint-dir",
         "--descs-topic",
         "--batches-topic",

@@ -1,7 +1,7 @@
 """The layers the layout promises (README, "Layout"; docs/STYLE: the modules directly in
 ``shared/`` are the pure core, its subpackages adapters of one kind each):
 
-- every module directly in ``shared/`` loads no boto3, confluent_kafka or pyspark, not even
+- every module directly in ``shared/`` loads no boto3, obstore, confluent_kafka or pyspark, not even
   through what it imports;
 - no production module loads the development stack (``shared/devstack/``);
 - no module imports its importer: the project's modules have no import cycle, counting the
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 PACKAGES = ("shared", "services", "shardsink")
-ADAPTER_LIBRARIES = ("boto3", "botocore", "confluent_kafka", "pyspark", "py4j")
+ADAPTER_LIBRARIES = ("boto3", "botocore", "obstore", "confluent_kafka", "pyspark", "py4j")
 #: Entry points for development only: they start the embedded stack on purpose.
 DEVELOPMENT_ENTRY_POINTS = {"services.demo", "shardsink.cli.stack"}
 MAX_LINES = 800
