@@ -81,7 +81,7 @@ def translate(e: Exception, op: str, key: str) -> Exception:
 
     text = str(e)
     first = text.split("\n", 1)[0]
-    m = _STATUS.search(text)
+    m = _STATUS.search(first)
     status = int(m.group(1)) if m else 0
     # object_store reports a 409 to a conditional PUT as AlreadyExists too: the status decides.
     if status == 409:
