@@ -14,6 +14,8 @@ What stays as it was, and how:
 - *Credentials*: obstore signs with what boto3 would: the settings' keys, or else boto3's
   standard chain (a ``boto3.Session`` through obstore's ``Boto3CredentialProvider``, which
   refreshes them).
+- *TLS*: the certificates of ``AWS_CA_BUNDLE`` are trusted besides the system's, as boto3
+  trusts them.
 - *Retries*: none here (``max_retries`` 0). The caller's :class:`RetryingObjectStore` decides,
   as for boto3: obstore's own retries would resend a conditional PUT whose first attempt may
   have landed, and report the caller's own object as another writer's.
@@ -133,6 +135,21 @@ class ObstoreRequests:
 
         s = self.settings
         kw: dict[str, Any] = {}
+        options: dict[str, Any] = {
+            "allow_http": bool(s.endpoint and s.endpoint.startswith("http://")),
+            "connect_timeout": timedelta(seconds=s.connect_timeout_s),
+            # boto3's read timeout is per read, as this one; object_store's default limit on
+            # the whole request (30 s) would fail a large part's GET on a slow link.
+            "read_timeout": timedelta(seconds=s.read_timeout_s),
+            "timeout": timedelta(minutes=10),
+            "pool_max_idle_per_host": str(s.max_pool_connections),
+        }
+        bundle = os.environ.get("AWS_CA_BUNDLE")
+        if bundle and not options["allow_http"]:
+            # boto3 trusts the certificates of AWS_CA_BUNDLE (a private CA, a TLS-inspecting
+            # proxy); obstore adds them to the system's roots.
+            with open(bundle, "rb") as f:
+                options["root_certificate"] = f.read()
         if s.endpoint:
             kw["endpoint"] = s.endpoint
         if s.access_key and s.secret_key:
@@ -146,15 +163,7 @@ class ObstoreRequests:
             s.bucket,
             region=s.region,
             virtual_hosted_style_request=False,
-            client_options={
-                "allow_http": bool(s.endpoint and s.endpoint.startswith("http://")),
-                "connect_timeout": timedelta(seconds=s.connect_timeout_s),
-                # boto3's read timeout is per read, as this one; object_store's default limit
-                # on the whole request (30 s) would fail a large part's GET on a slow link.
-                "read_timeout": timedelta(seconds=s.read_timeout_s),
-                "timeout": timedelta(minutes=10),
-                "pool_max_idle_per_host": str(s.max_pool_connections),
-            },
+            client_options=options,  # type: ignore[arg-type]
             retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=s.read_timeout_s)},
             **kw,
         )

@@ -264,6 +264,82 @@ def test_each_status_is_the_boto3_adapters_error(status: int, put_error: type, g
         server.server_close()
 
 
+def _private_ca(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA of its own and a server certificate for 127.0.0.1 it signed: (CA, server
+    certificate, server key) in PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject: str, key: Any, issuer: str, signer: Any, ca: bool) -> Any:
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("shardsink test CA", ca_key, "shardsink test CA", ca_key, True)
+    server = cert("127.0.0.1", server_key, "shardsink test CA", ca_key, False)
+    files = (tmp / "ca.pem", tmp / "server.pem", tmp / "server-key.pem")
+    files[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    files[2].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return files
+
+
+class _Object(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "6")
+        self.end_headers()
+        self.wfile.write(b"secret")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_it_trusts_the_certificates_of_aws_ca_bundle_as_boto3_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ssl
+
+    ca_file, cert_file, key_file = _private_ca(tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Object)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = S3Settings(bucket="bucket", endpoint=f"https://127.0.0.1:{server.server_address[1]}",
+                          access_key="k", secret_key="s", connect_timeout_s=2.0, read_timeout_s=5.0)
+    try:
+        monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+        with pytest.raises(ObjectStoreError) as e:
+            S3ObjectStore(settings).get("k")  # an unknown issuer: no request is made
+        assert not isinstance(e.value, IndeterminateError)
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(ca_file))
+        for client in ("obstore", "boto3"):
+            store = S3ObjectStore(replace(settings, client=client))
+            if client == "obstore":
+                store._client = _NoBoto3()
+            assert store.get("k") == b"secret", client
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_process_forked_after_obstores_runtime_started_uses_boto3(settings: S3Settings) -> None:
     """obstore's runtime does not survive a fork: a request through it in the child would wait
     forever (a new client too). The child's requests go through boto3 and succeed."""
