@@ -177,7 +177,9 @@ def test_a_failed_unit_leaves_no_version_of_its_micro_batch_that_an_earlier_atte
     def fail(*a, **k):
         raise RuntimeError("injected timeout after the PUT landed")
 
-    monkeypatch.setattr(wss, "run_write_step", fail)
+    from services.write import executor
+
+    monkeypatch.setattr(executor, "run_write_step", fail)  # the unit imports it when it runs
     schema = json.dumps({"type": "record", "name": "R", "fields": [{"name": "k", "type": "long"}]})
     job = SimpleNamespace(sink=SinkDef("s", "d", "c", epoch=1), schema_json=schema, partitions=2, descs_topic="descs",
                           checkpoint=str(tmp_path), settings=SimpleNamespace(s3=None))
