@@ -148,6 +148,7 @@ SETTINGS: tuple[Setting, ...] = (
     _elsewhere("AWS_SECRET_ACCESS_KEY_FILE", "file holding the S3 secret key"),
     _elsewhere("AWS_DEFAULT_REGION", "S3 region"),
     _elsewhere("AWS_REGION", "S3 region (alternative name)"),
+    _elsewhere("AWS_CA_BUNDLE", "file of CA certificates to trust for S3 over TLS, besides the system's"),
     # -- topics ---------------------------------------------------------------------------------------------
     Setting("descs_topic",                   "SHARDSINK_TOPIC_DESCS",             "--descs-topic",             "descs", str,
             "batch descriptions topic"),
