@@ -264,12 +264,12 @@ def start_mint_query(spark: Any, settings: ServiceSettings, sink: SinkDef, regis
         minter.unread = {int(p): (int(a), int(b)) for p, (a, b) in saved.get("unread", {}).items()}
     if registry is not None:
         registry[sink.sink_id] = minter
-    from shared.codec import MARKER, message_codec
+    from services.sinkio import desired_prefixes
 
     # Desired updates (union index 0 of the current desired schema) are dropped by the source
     # on the executors: mint needs only progress statements (decode_partition drops them
     # too, for the builtin connector and older schema versions).
-    update_prefix = MARKER + message_codec("desired").fingerprint + b"\x00"
+    update_prefix = desired_prefixes()[0]
     from services.runtime.driver_state import planned_offsets
     from services.mint.source import hold_path, mint_source, planned_progress, write_hold
 

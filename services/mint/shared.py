@@ -33,7 +33,8 @@ from typing import Any
 import pyarrow as pa
 
 from services.mint.service import SinkMinter
-from services.mint.source import fleet_planned_progress, update_prefix
+from services.mint.source import fleet_planned_progress
+from services.sinkio import desired_prefixes
 from services.runtime.driver_state import DriverStateLog, planned_offsets
 from services.runtime.fleet import Fleet, KeyLocks, prepare, sink_key
 from services.runtime.settings import ServiceSettings
@@ -119,7 +120,7 @@ class SharedMint:
         has its tail read here."""
         s = self.settings
         members = self.fleet.members()
-        prefix = update_prefix()
+        prefix = desired_prefixes()[0]
         if ranges is None:
             ranges = _first_ranges(s, members)
             first = True

@@ -258,6 +258,7 @@ class MintFleetReader(HoldFileReader):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         from services.mint.progress import latest_progress_records
+        from services.sinkio import desired_prefixes
 
         end = super().latestOffset(start, limit)
         s, e = offsets_from_json(start), offsets_from_json(end)
@@ -280,7 +281,7 @@ class MintFleetReader(HoldFileReader):
             return dict(start)
         self._ticked = time.monotonic()
         tails = latest_progress_records(self.options.settings, [(str(members[k]["desired_topic"]), p, a, b) for k, p, a, b in ranges],
-                                        update_prefix())
+                                        desired_prefixes()[0])
         progress: dict[str, dict[str, Any]] = {}
         for (k, p, _, _), found in zip(ranges, tails, strict=True):
             if isinstance(found, Exception):  # that range's error alone (ShardsinkError)
@@ -296,13 +297,6 @@ def fleet_planned_progress(offsets: Mapping[str, Any] | None) -> dict[str, dict[
     if not isinstance(raw, Mapping):
         return {}
     return {str(k): planned_progress({PROGRESS_KEY: v}) for k, v in raw.items() if isinstance(v, Mapping)}
-
-
-def update_prefix() -> bytes:
-    """The value prefix of a desired update of the current schema (mint skips updates)."""
-    from services.sinkio import desired_prefixes
-
-    return desired_prefixes()[0]
 
 
 class MintFleetDataSource(KafkaDataSource):

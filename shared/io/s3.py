@@ -38,13 +38,10 @@ from botocore.exceptions import (
 from urllib3.exceptions import HTTPError as URLLib3Error
 
 from shared.errors import (
-    ConflictRetryError,
-    IndeterminateError,
     ObjectNotFoundError,
     ObjectStoreError,
-    PreconditionFailedError,
 )
-from shared.io.s3_requests import CLIENTS, ObstoreRequests, NotServed, available
+from shared.io.s3_requests import CLIENTS, NotServed, ObstoreRequests, available, storage_error
 from shared.objectstore import ObjectInfo
 
 
@@ -171,21 +168,21 @@ class S3ObjectStore:
         if isinstance(e, ClientError):
             code, status = _code(e)
             if status == 412 or code == "PreconditionFailed":
-                return PreconditionFailedError(
-                    f"expected no object at {key!r} ({op}), found one", key=key
-                )
-            if status == 409 or code == "ConditionalRequestConflict":
-                return ConflictRetryError(f"conflicting conditional {op} of {key!r}", key=key)
-            if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
-                return ObjectNotFoundError(f"expected an object at {key!r}, found none", key=key)
-            if status >= 500 and sent and op == "put":
-                return IndeterminateError(f"{op} {key!r}: server error {status} {code}", key=key)
-            return ObjectStoreError(f"{op} {key!r}: {code or status}: {e}", key=key)
+                kind = "precondition"
+            elif status == 409 or code == "ConditionalRequestConflict":
+                kind = "conflict"
+            elif status == 404 or code in ("NoSuchKey", "404", "NotFound"):
+                kind = "missing"
+            elif status >= 500 and sent and op == "put":
+                kind = "indeterminate"
+            else:
+                return storage_error("other", op, key, f"{code or status}: {e}")
+            return storage_error(kind, op, key, f"server error {status} {code}")
         if isinstance(e, (ConnectTimeoutError, EndpointConnectionError)):
-            return ObjectStoreError(f"{op} {key!r}: could not connect: {e}", key=key)
+            return storage_error("connect", op, key, str(e))
         if isinstance(e, (ReadTimeoutError, ConnectionClosedError, URLLib3Error, ConnectionError)) and sent:
-            return IndeterminateError(f"{op} {key!r}: outcome unknown: {e}", key=key)
-        return ObjectStoreError(f"{op} {key!r}: {e}", key=key)
+            return storage_error("indeterminate", op, key, str(e))
+        return storage_error("other", op, key, str(e))
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         if self._fast is not None:

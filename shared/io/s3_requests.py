@@ -76,28 +76,47 @@ def available() -> bool:
     return True
 
 
+def storage_error(kind: str, op: str, key: str, detail: str = "") -> Exception:
+    """The project's storage error of ``kind`` for ``op`` (get, put, put-if-absent, head) of
+    ``key``, with the same message whichever client failed: ``precondition`` (412),
+    ``conflict`` (409), ``missing`` (404), ``indeterminate`` (a PUT whose outcome is unknown),
+    ``connect`` (no connection made) or ``other``."""
+    if kind == "precondition":
+        return PreconditionFailedError(f"expected no object at {key!r} ({op}), found one", key=key)
+    if kind == "conflict":
+        return ConflictRetryError(f"conflicting conditional {op} of {key!r}", key=key)
+    if kind == "missing":
+        return ObjectNotFoundError(f"expected an object at {key!r}, found none", key=key)
+    if kind == "indeterminate":
+        return IndeterminateError(f"{op} {key!r}: outcome unknown: {detail}", key=key)
+    if kind == "connect":
+        return ObjectStoreError(f"{op} {key!r}: could not connect: {detail}", key=key)
+    return ObjectStoreError(f"{op} {key!r}: {detail}", key=key)
+
+
 def translate(e: Exception, op: str, key: str) -> Exception:
-    """One of the project's storage errors for obstore's ``e`` on ``op`` (get, put, put-if-absent,
-    head) of ``key``."""
+    """One of the project's storage errors for obstore's ``e`` on ``op`` of ``key``."""
     from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 
     text = str(e)
     first = text.split("\n", 1)[0]
     m = _STATUS.search(first)
     status = int(m.group(1)) if m else 0
+    connect_failed = not status and _CONNECT in text
     # object_store reports a 409 to a conditional PUT as AlreadyExists too: the status decides.
     if status == 409:
-        return ConflictRetryError(f"conflicting conditional {op} of {key!r}", key=key)
-    if status == 412 or isinstance(e, (AlreadyExistsError, PreconditionError)):
-        return PreconditionFailedError(f"expected no object at {key!r} ({op}), found one", key=key)
-    if isinstance(e, (NotFoundError, FileNotFoundError)) or status == 404:
-        return ObjectNotFoundError(f"expected an object at {key!r}, found none", key=key)
-    if op.startswith("put"):
-        if status >= 500 or (not status and _CONNECT not in text):
-            return IndeterminateError(f"{op} {key!r}: outcome unknown: {first}", key=key)
-    if not status and _CONNECT in text:
-        return ObjectStoreError(f"{op} {key!r}: could not connect: {first}", key=key)
-    return ObjectStoreError(f"{op} {key!r}: {first}", key=key)
+        kind = "conflict"
+    elif status == 412 or isinstance(e, (AlreadyExistsError, PreconditionError)):
+        kind = "precondition"
+    elif isinstance(e, (NotFoundError, FileNotFoundError)) or status == 404:
+        kind = "missing"
+    elif op.startswith("put") and (status >= 500 or (not status and not connect_failed)):
+        kind = "indeterminate"
+    elif connect_failed:
+        kind = "connect"
+    else:
+        kind = "other"
+    return storage_error(kind, op, key, first)
 
 
 class ObstoreRequests:
