@@ -77,8 +77,12 @@ JOIN_LOOKBACK = 10_000
 #: costs a read-back of the shard and a staged part).
 DESCRIPTION_WEIGHT = 1_000
 #: At most this many tasks per core in a micro-batch: a task costs a round trip to a Python
-#: worker, and a unit's time is mostly S3 and Kafka round trips, which a task's threads overlap.
-TASKS_PER_CORE = 4
+#: worker, its own Kafka read and decode, and a unit's time is mostly S3 and Kafka round trips,
+#: which a task's threads overlap. Four per core ran a micro-batch of 100 sinks' units as four
+#: rounds of tasks on each core: that fixed cost per micro-batch, with the write query busy most
+#: of the time, held micro-batches at 1.2-2 s (freshness p50 3.5-4.9 s at 100 sinks); one per
+#: core, 0.4-0.9 s (1.3-1.6 s). See BENCHMARKS.md, "nineteenth session".
+TASKS_PER_CORE = 1
 #: Every member's held desired records are admitted at least this often (and when they reach
 #: the micro-batch's record limit); between, a description admits its own sink's (a
 #: micro-batch then plans units for the sinks with a description, not for every sink whose

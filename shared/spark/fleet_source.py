@@ -10,10 +10,11 @@ epoch is a new key and starts from its topic's first offset, and a sink that lef
 the next micro-batch's offsets. A member's desired topic is a history-gap topic (offsets lost
 to retention are marked, never silently skipped: :func:`shared.spark.kafka_source._with_gap_marker`).
 
-Admission control (``hold``): the members' records are admitted together with news on a
-control topic, when more of them wait than one micro-batch admits, or at least every
-:data:`shared.spark.kafka_source.ADMIT_EVERY_S`; otherwise they keep ``start``'s offsets.
-Holding only ever delays records.
+Admission control (``hold``): a member's records are admitted with news on a control topic
+that names it (:meth:`FleetStreamReader.admitted_on_news`), every member's when more of them
+wait than one micro-batch admits, and each member's at least every ``admit_every_s`` after its
+last admission (a clock per member); otherwise they keep ``start``'s offsets. Holding only ever
+delays records.
 
 Annotations a subclass adds to a micro-batch's offsets (keys starting with ``@``) are logged
 with them, so a re-run of the micro-batch plans the same work.
@@ -59,12 +60,13 @@ class FleetStreamReader(KafkaStreamReader):
         self.members_file = members_file
         self._members: dict[str, dict[str, Any]] = {}
         self._members_stamp: tuple[int, int] | None = None
-        self._admitted = float("-inf")
+        #: when each held member's records were last admitted (monotonic), by key
+        self._admitted_at: dict[str, float] = {}
         self._lows: dict[str, dict[int, int]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "members_file": self.members_file, "_members": {},
-                "_members_stamp": None, "_admitted": float("-inf"), "_lows": {}}
+                "_members_stamp": None, "_admitted_at": {}, "_lows": {}}
 
     # -- members ----------------------------------------------------------------------------
     def members(self) -> dict[str, dict[str, Any]]:
@@ -134,18 +136,25 @@ class FleetStreamReader(KafkaStreamReader):
         now = time.monotonic()
         control = set(self.options.topics)
         news = any(o > s.get(t, {}).get(p, 0) for t in control for p, o in end.get(t, {}).items())
-        waiting = sum(max(0, o - s.get(k, {}).get(p, 0)) for k, ps in end.items() if k in held for p, o in ps.items())
-        full = isinstance(limit, ReadMaxRows) and waiting >= int(limit.max_rows)
-        if full or now - self._admitted >= self.admit_every_s:
-            self._admitted = now
-            return end
+        waiting = {k: sum(max(0, o - s.get(k, {}).get(p, 0)) for p, o in ps.items()) for k, ps in end.items() if k in held}
+        full = isinstance(limit, ReadMaxRows) and sum(waiting.values()) >= int(limit.max_rows)
         admit: set[str] = set()
-        if news:
+        if news and not full and self._admitted_at:
             chosen = self.admitted_on_news(s, end)
-            if chosen is None:
-                self._admitted = now
-                return end
-            admit = chosen
+            admit = set(held) if chosen is None else chosen
+        if full or not self._admitted_at:  # the first look, or more wait than a micro-batch admits
+            admit = set(held)
+        # Each member's held records are admitted at least every ``admit_every_s`` (its clock
+        # starts when it is first seen, and again at each admission): one member's clock never
+        # admits the others', so a fleet whose sinks are described in turn is not made to run
+        # every member's units in one micro-batch.
+        for k in held:
+            since = self._admitted_at.setdefault(k, now)
+            if k in admit or not waiting.get(k) or now - since >= self.admit_every_s:
+                admit.add(k)
+                self._admitted_at[k] = now
+        for k in [k for k in self._admitted_at if k not in held]:
+            del self._admitted_at[k]
         return {k: (ps if k not in held or k in admit else {p: s[k][p] if p in s.get(k, {}) else o for p, o in ps.items()})
                 for k, ps in end.items()}
 
@@ -158,7 +167,10 @@ class FleetStreamReader(KafkaStreamReader):
         budget = super().wait_budget()
         if not self.held_keys():
             return budget
-        return max(0.0, min(budget, self.admit_every_s - (time.monotonic() - self._admitted)))
+        if not self._admitted_at:
+            return 0.0
+        due = min(self._admitted_at.values()) + self.admit_every_s
+        return max(0.0, min(budget, due - time.monotonic()))
 
     def wait_ended(self) -> bool:
         """A member joined or left (the members file changed) since the ends were taken: a

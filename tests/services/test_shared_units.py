@@ -31,19 +31,24 @@ def test_a_hundred_small_sinks_take_as_many_tasks_as_cores() -> None:
     assert abs(sum(u.weight for u in tasks[0].units) - sum(u.weight for u in tasks[1].units)) <= 26
 
 
-def test_one_busy_sink_gets_a_task_per_writer_partition() -> None:
+def test_one_busy_sink_spreads_its_writer_partitions_over_the_cores() -> None:
     units = [unit("busy", wp, 20_000) for wp in range(4)]
+    assert sorted(len(t.units) for t in pack_units(units, 10_000, 4)) == [1, 1, 1, 1]
     tasks = pack_units(units, 10_000, 2)
-    assert sorted(len(t.units) for t in tasks) == [1, 1, 1, 1]
+    assert sorted(len(t.units) for t in tasks) == [2, 2]
+    assert placed(tasks) == Counter((u.key, u.wp) for u in units)
 
 
-def test_descriptions_weigh_as_reads_and_spread_over_at_most_four_tasks_per_core() -> None:
+def test_descriptions_weigh_as_reads_and_spread_over_at_most_one_task_per_core() -> None:
     units = [unit(f"s{k}", 0, 0, descs=1) for k in range(6)]
-    tasks = pack_units(units, DESCRIPTION_WEIGHT, 2)
+    tasks = pack_units(units, DESCRIPTION_WEIGHT, 8)
     assert len(tasks) == 6  # each description is a task's worth of work here
     assert placed(tasks) == Counter((u.key, u.wp) for u in units)
+    tasks = pack_units(units, DESCRIPTION_WEIGHT, 2)
+    assert [len(t.units) for t in tasks] == [3, 3]  # a micro-batch is one round of tasks
+    assert placed(tasks) == Counter((u.key, u.wp) for u in units)
     many = [unit(f"s{k}", wp, 0, descs=1) for k in range(100) for wp in range(2)]
-    assert len(pack_units(many, DESCRIPTION_WEIGHT, 2)) == 8
+    assert len(pack_units(many, DESCRIPTION_WEIGHT, 2)) == 2
 
 
 def test_a_sinks_writer_partitions_share_a_task_unless_they_outweigh_its_share() -> None:
@@ -51,7 +56,7 @@ def test_a_sinks_writer_partitions_share_a_task_unless_they_outweigh_its_share()
     the other: the second reads no shard head again); a sink heavier than a task's share
     spreads its partitions."""
     many = [unit(f"s{k}", wp, 10, descs=1) for k in range(100) for wp in range(2)]
-    tasks = pack_units(many, DESCRIPTION_WEIGHT, 2)
+    tasks = pack_units(many, DESCRIPTION_WEIGHT, 8)
     assert len(tasks) == 8
     for t in tasks:
         keys = Counter(u.key for u in t.units)

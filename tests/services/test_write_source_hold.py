@@ -146,5 +146,21 @@ def test_the_shared_write_source_admits_a_sinks_records_with_its_description(
     assert {sid: [(p, o) for p, o, _ in got] for sid, got in found.items()} == {a.sink_id: [(0, 0)]}
     assert reads == [(descs, 0, 0, 1)]
     clock[0] += wss.ADMIT_ALL_EVERY_S
-    assert r.latestOffset(end, limit)[kb] == {"0": 1, "1": 2}  # every member's, at least this often
+    e2 = r.latestOffset(end, limit)
+    assert e2[kb] == {"0": 1, "1": 2}  # every member's, at least this often
+    # Each member has its own clock: b's description admits b's records and starts b's clock
+    # again; ADMIT_ALL_EVERY_S after a's last admission a's records come, while b's newer ones
+    # stay held (one member's clock never admits the others').
+    produce(stack.bootstrap_servers, a.desired_topic, [(0, b"a2")])
+    produce(stack.bootstrap_servers, b.desired_topic, [(0, b"b3")])
+    clock[0] += wss.ADMIT_ALL_EVERY_S / 2
+    desc_b = BatchDescription(b.sink_id, Frontier.at(0), Frontier.at(5), 1, "tok-b", partition_count=2)
+    produce(stack.bootstrap_servers, descs, [(0, message_codec("batch_description").encode(desc_b.to_dict()))])
+    e3 = r.latestOffset(e2, limit)
+    assert e3[kb] == {"0": 2, "1": 2} and e3[ka] == e2[ka] == {"0": 1, "1": 1}
+    produce(stack.bootstrap_servers, b.desired_topic, [(1, b"b4")])
+    clock[0] += wss.ADMIT_ALL_EVERY_S / 2
+    e4 = r.latestOffset(e3, limit)
+    assert e4[ka] == {"0": 2, "1": 1}  # a's clock ran out
+    assert e4[kb] == e3[kb]  # b's did not: b4 stays held
     r.stop()
