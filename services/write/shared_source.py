@@ -83,12 +83,12 @@ DESCRIPTION_WEIGHT = 1_000
 #: of the time, held micro-batches at 1.2-2 s (freshness p50 3.5-4.9 s at 100 sinks); one per
 #: core, 0.4-0.9 s (1.3-1.6 s). See BENCHMARKS.md, "nineteenth session".
 TASKS_PER_CORE = 1
-#: Every member's held desired records are admitted at least this often (and when they reach
-#: the micro-batch's record limit); between, a description admits its own sink's (a
-#: micro-batch then plans units for the sinks with a description, not for every sink whose
-#: desired topic moved). At 100 sinks a micro-batch that admits every member's plans about
-#: 200 units where one that admits the described sinks' plans about 116: every 5 s, that was
-#: every other micro-batch.
+#: Each member's held desired records are admitted at least this long after its last
+#: admission (a clock per member, :class:`shared.spark.fleet_source.FleetStreamReader`), and
+#: every member's when they reach the micro-batch's record limit; between, a description admits
+#: its own sink's (a micro-batch then plans units for the sinks with a description, not for
+#: every sink whose desired topic moved). One clock for all had every member's admitted in one
+#: micro-batch of about 200 units at 100 sinks every 20 s, a step that held the next ones back.
 ADMIT_ALL_EVERY_S = 20.0
 #: A task reads its units' desired ranges together, in waves of at most this many records.
 PREFETCH_RECORDS = 200_000
@@ -184,8 +184,8 @@ class WriteFleetReader(FleetStreamReader):
 
     hold = True
     values_only = True
-    #: Every member's held records are admitted at least this often (a description admits
-    #: its own sink's at once).
+    #: Each member's held records are admitted at least this long after its last admission (a
+    #: description admits its own sink's at once).
     admit_every_s = ADMIT_ALL_EVERY_S
 
     def __init__(self, options: SourceOptions, members_file: str, settings: Any, parallelism: int) -> None:
