@@ -139,11 +139,11 @@ class FleetStreamReader(KafkaStreamReader):
         waiting = {k: sum(max(0, o - s.get(k, {}).get(p, 0)) for p, o in ps.items()) for k, ps in end.items() if k in held}
         full = isinstance(limit, ReadMaxRows) and sum(waiting.values()) >= int(limit.max_rows)
         admit: set[str] = set()
-        if news and not full and self._admitted_at:
-            chosen = self.admitted_on_news(s, end)
-            admit = set(held) if chosen is None else chosen
-        if full or not self._admitted_at:  # the first look, or more wait than a micro-batch admits
+        if full or not self._admitted_at:  # more wait than a micro-batch admits, or the first look
             admit = set(held)
+        elif news:
+            chosen = self.admitted_on_news(s, end)
+            admit = set(held) if chosen is None else set(chosen)
         # Each member's held records are admitted at least every ``admit_every_s`` (its clock
         # starts when it is first seen, and again at each admission): one member's clock never
         # admits the others', so a fleet whose sinks are described in turn is not made to run
