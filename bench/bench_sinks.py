@@ -20,6 +20,11 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
 - ``freshness_p50_s`` / ``freshness_p99_s``: per step, from ``advance_to`` returning (the
   progress statement is durable) until the shard's upper reaches it; steps whose upper never
   came within the drain budget are counted in ``steps_without_upper`` and left out;
+- ``stage_p50_s`` / ``stage_p99_s`` (the services only): each step's freshness in three parts,
+  from the ``descs`` and ``batches`` topics (:class:`StageWatch`): ``mint``, from the progress
+  statement until its description was minted (``minted_at_ms``); ``write``, from then until the
+  last writer partition reported it written (``written_at_ms``); ``append``, from then until
+  the upper was announced. ``steps_split`` says over how many steps;
 - ``start_to_first_uppers_s``: from starting the services (the N sinks created, their first
   step produced) until every sink's upper has passed its first step; ``null`` when some did
   not within the budget (``--budget-s``, default 120 s + 3 s per sink), with
@@ -337,7 +342,7 @@ class UppersWatch(Reached):
                     if msg.error() is not None or not msg.value():
                         continue
                     try:
-                        d = codec.decode(msg.value())
+                        d = codec.decode(msg.value() or b"")
                         f = Frontier.from_json(d["upper"])
                         u = 2**64 - 1 if f.time is None else f.time
                         self._advance(d["shard_id"], u, d["updated_at_ms"] / 1000 + self._skew)
@@ -350,6 +355,80 @@ class UppersWatch(Reached):
                     next_check = now + self.check_s / max(1, pending)
         finally:
             self._consumer.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class StageWatch:
+    """When each step's description was minted and when its last writer partition reported it
+    written, from the ``descs`` and ``batches`` topics (``minted_at_ms`` and ``written_at_ms``):
+    a step's freshness split into mint (progress statement to description), write (description
+    to the last report) and append (last report to the announced upper)."""
+
+    def __init__(self, kafka: Any, descs_topic: str, batches_topic: str) -> None:
+        from confluent_kafka import OFFSET_END, TopicPartition
+
+        from shared.io.kafka import new_consumer
+
+        self._skew = time.monotonic() - time.time()
+        self._lock = threading.Lock()
+        #: per sink id, its descriptions ``(upper, minted, token)`` in the order seen
+        self._minted: dict[str, list[tuple[int, float, str]]] = {}
+        #: per description token, its writer partitions' report times and their count
+        self._written: dict[str, tuple[int, dict[int, float]]] = {}
+        self._topics = (descs_topic, batches_topic)
+        self._consumer = new_consumer(kafka, **{"fetch.wait.max.ms": "100"})
+        md = self._consumer.list_topics(timeout=10)
+        tps = [TopicPartition(t, p) for t in self._topics for p in (md.topics[t].partitions if t in md.topics else {0: None})]
+        # From the ends as they are now (what is produced from here on is seen).
+        for tp in tps:
+            try:
+                tp.offset = self._consumer.get_watermark_offsets(tp, timeout=10)[1]
+            except Exception:  # noqa: BLE001 - a topic not there yet: its first record on
+                tp.offset = OFFSET_END
+        self._consumer.assign(tps)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stage-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from shared.codec import message_codec
+        from shared.sink_messages import BatchDescription, BatchReport
+
+        descs, reports = message_codec("batch_description"), message_codec("written_batch")
+        try:
+            while not self._stop.is_set():
+                for msg in self._consumer.consume(500, 0.05):
+                    if msg.error() is not None or not msg.value():
+                        continue
+                    try:
+                        if msg.topic() == self._topics[0]:
+                            d = BatchDescription.from_dict(descs.decode(msg.value() or b""))
+                            u = 2**64 - 1 if d.upper.time is None else d.upper.time
+                            with self._lock:
+                                self._minted.setdefault(d.sink_id, []).append(
+                                    (u, d.minted_at_ms / 1000 + self._skew, d.token))
+                        else:
+                            r = BatchReport.from_dict(reports.decode(msg.value() or b""))
+                            with self._lock:
+                                n, by_wp = self._written.setdefault(r.desc_token, (r.partition_count, {}))
+                                by_wp.setdefault(r.partition, r.written_at_ms / 1000 + self._skew)
+                    except Exception:  # noqa: BLE001 - a message it cannot read leaves its step unsplit
+                        continue
+        finally:
+            self._consumer.close()
+
+    def split(self, name: str, frontier: int) -> tuple[float, float] | None:
+        """When the first description of sink ``name`` whose upper reached ``frontier`` was
+        minted, and when every writer partition had reported it written (None: unseen)."""
+        with self._lock:
+            for u, minted, token in self._minted.get(name, ()):
+                if u >= frontier:
+                    n, by_wp = self._written.get(token, (0, {}))
+                    return (minted, max(by_wp.values())) if by_wp and len(by_wp) >= n else None
+        return None
 
     def stop(self) -> None:
         self._stop.set()
@@ -615,9 +694,10 @@ class Phases:
 
 
 def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | None, work: Path, run: str,
-            ph: Phases) -> dict[str, Any]:
-    """One N's figures: its sinks served by the services, their uppers seen by ``watch``; with
-    no watch, the delta-rs peer serves the N topics instead."""
+            ph: Phases, stage_watch: StageWatch | None = None) -> dict[str, Any]:
+    """One N's figures: its sinks served by the services, their uppers seen by ``watch`` (and
+    each step's freshness split by ``stage_watch``); with no watch, the delta-rs peer serves
+    the N topics instead."""
     from shared.catalog import SinkDef
 
     peer = watch is None
@@ -700,6 +780,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         # -- drain, then freshness --------------------------------------------------------------------
         wait_until(lambda: all(uppers.upper(f.name) >= f.frontier for f in feeds), ph.drain_s, child)
         fresh: list[float] = []
+        stages: dict[str, list[float]] = {"mint": [], "write": [], "append": []}
         unseen = 0
         for f in feeds:
             for fr, t in f.sent.items():
@@ -708,13 +789,21 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
                 reached = uppers.when(f.name, fr)
                 if reached is None:
                     unseen += 1
-                else:
-                    fresh.append(reached - t)
+                    continue
+                fresh.append(reached - t)
+                split = stage_watch.split(f.name, fr) if stage_watch is not None else None
+                if split is not None:
+                    for stage, took in zip(stages, (split[0] - t, split[1] - split[0], reached - split[1]), strict=True):
+                        stages[stage].append(took)
         out["steps"] = len(fresh) + unseen
         out["steps_without_upper"] = unseen
         out["freshness_p50_s"] = pct(fresh, 0.5)
         out["freshness_p99_s"] = pct(fresh, 0.99)
         out["freshness_max_s"] = round(max(fresh), 3) if fresh else None
+        if stage_watch is not None:
+            out["stage_p50_s"] = {k: pct(v, 0.5) for k, v in stages.items()}
+            out["stage_p99_s"] = {k: pct(v, 0.99) for k, v in stages.items()}
+            out["steps_split"] = len(stages["mint"])
         log(f"{at}: busy CPU {out['busy_cpu_share']:.1%} of {cores} cores; freshness p50 {out['freshness_p50_s']}s "
             f"p99 {out['freshness_p99_s']}s over {len(fresh)} steps ({unseen} without an upper)")
 
@@ -895,19 +984,23 @@ def main(argv: list[str] | None = None) -> int:
         }  # every other setting at its default (trigger 100 ms, catalog poll 1 s)
         settings = ServiceSettings.from_env_and_args(None, env)
         watch = None  # the peer: no services, no shards to watch
+        stage_watch = None
         if not args.peer:
             ensure_control_topics(settings)
             watch = UppersWatch(settings.kafka, settings.frontiers_topic)
+            stage_watch = StageWatch(settings.kafka, settings.descs_topic, settings.batches_topic)
         try:
             for n in sinks:
                 try:
-                    per_n.append(measure(n, settings, env, watch, work, run, ph))
+                    per_n.append(measure(n, settings, env, watch, work, run, ph, stage_watch))
                 except Exception as e:  # noqa: BLE001 - a failed N is a figure; the next N runs
                     log(f"N={n}: failed: {type(e).__name__}: {e}")
                     per_n.append({"sinks": n, "error": f"{type(e).__name__}: {e}"})
         finally:
             if watch is not None:
                 watch.stop()
+            if stage_watch is not None:
+                stage_watch.stop()
     res["per_n"] = per_n
     largest = max(per_n, key=lambda p: p["sinks"]) if per_n else {}
     for k in TOP_LEVEL:
