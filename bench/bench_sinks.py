@@ -23,8 +23,10 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
 - ``stage_p50_s`` / ``stage_p99_s`` (the services only): each step's freshness in three parts,
   from the ``descs`` and ``batches`` topics (:class:`StageWatch`): ``mint``, from the progress
   statement until its description was minted (``minted_at_ms``); ``write``, from then until the
-  last writer partition reported it written (``written_at_ms``); ``append``, from then until
-  the upper was announced. ``steps_split`` says over how many steps;
+  last writer partition wrote it (``written_at_ms``); ``report``, from then until the last of
+  its reports was produced (their Kafka timestamps: the write's driver produces a micro-batch's
+  reports once all its tasks ended); ``append``, from then until the upper was announced.
+  ``steps_split`` says over how many steps;
 - ``start_to_first_uppers_s``: from starting the services (the N sinks created, their first
   step produced) until every sink's upper has passed its first step; ``null`` when some did
   not within the budget (``--budget-s``, default 120 s + 3 s per sink), with
@@ -362,10 +364,12 @@ class UppersWatch(Reached):
 
 
 class StageWatch:
-    """When each step's description was minted and when its last writer partition reported it
-    written, from the ``descs`` and ``batches`` topics (``minted_at_ms`` and ``written_at_ms``):
-    a step's freshness split into mint (progress statement to description), write (description
-    to the last report) and append (last report to the announced upper)."""
+    """When each step's description was minted, when its last writer partition wrote it and
+    when the last of its reports was produced, from the ``descs`` and ``batches`` topics
+    (``minted_at_ms``, ``written_at_ms`` and the reports' Kafka timestamps): a step's freshness
+    split into mint (progress statement to description), write (description to the last
+    partition written), report (to the last report on ``batches``) and append (to the announced
+    upper)."""
 
     def __init__(self, kafka: Any, descs_topic: str, batches_topic: str) -> None:
         from confluent_kafka import OFFSET_END, TopicPartition
@@ -376,8 +380,9 @@ class StageWatch:
         self._lock = threading.Lock()
         #: per sink id, its descriptions ``(upper, minted, token)`` in the order seen
         self._minted: dict[str, list[tuple[int, float, str]]] = {}
-        #: per description token, its writer partitions' report times and their count
-        self._written: dict[str, tuple[int, dict[int, float]]] = {}
+        #: per description token, its count of writer partitions and per writer partition when
+        #: it was written and when its report was produced
+        self._written: dict[str, tuple[int, dict[int, tuple[float, float]]]] = {}
         self._topics = (descs_topic, batches_topic)
         self._consumer = new_consumer(kafka, **{"fetch.wait.max.ms": "100"})
         md = self._consumer.list_topics(timeout=10)
@@ -414,20 +419,24 @@ class StageWatch:
                             r = BatchReport.from_dict(reports.decode(msg.value() or b""))
                             with self._lock:
                                 n, by_wp = self._written.setdefault(r.desc_token, (r.partition_count, {}))
-                                by_wp.setdefault(r.partition, r.written_at_ms / 1000 + self._skew)
+                                by_wp.setdefault(r.partition, (r.written_at_ms / 1000 + self._skew,
+                                                               msg.timestamp()[1] / 1000 + self._skew))
                     except Exception:  # noqa: BLE001 - a message it cannot read leaves its step unsplit
                         continue
         finally:
             self._consumer.close()
 
-    def split(self, name: str, frontier: int) -> tuple[float, float] | None:
+    def split(self, name: str, frontier: int) -> tuple[float, float, float] | None:
         """When the first description of sink ``name`` whose upper reached ``frontier`` was
-        minted, and when every writer partition had reported it written (None: unseen)."""
+        minted, when every writer partition had written it, and when every report of it was
+        produced (None: unseen)."""
         with self._lock:
             for u, minted, token in self._minted.get(name, ()):
                 if u >= frontier:
                     n, by_wp = self._written.get(token, (0, {}))
-                    return (minted, max(by_wp.values())) if by_wp and len(by_wp) >= n else None
+                    if not by_wp or len(by_wp) < n:
+                        return None
+                    return minted, max(w for w, _ in by_wp.values()), max(r for _, r in by_wp.values())
         return None
 
     def stop(self) -> None:
@@ -780,7 +789,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         # -- drain, then freshness --------------------------------------------------------------------
         wait_until(lambda: all(uppers.upper(f.name) >= f.frontier for f in feeds), ph.drain_s, child)
         fresh: list[float] = []
-        stages: dict[str, list[float]] = {"mint": [], "write": [], "append": []}
+        stages: dict[str, list[float]] = {"mint": [], "write": [], "report": [], "append": []}
         unseen = 0
         for f in feeds:
             for fr, t in f.sent.items():
@@ -793,7 +802,8 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
                 fresh.append(reached - t)
                 split = stage_watch.split(f.name, fr) if stage_watch is not None else None
                 if split is not None:
-                    for stage, took in zip(stages, (split[0] - t, split[1] - split[0], reached - split[1]), strict=True):
+                    took_each = (split[0] - t, split[1] - split[0], split[2] - split[1], reached - split[2])
+                    for stage, took in zip(stages, took_each, strict=True):
                         stages[stage].append(took)
         out["steps"] = len(fresh) + unseen
         out["steps_without_upper"] = unseen

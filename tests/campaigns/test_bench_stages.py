@@ -1,6 +1,7 @@
 """How ``bench/bench_sinks.py`` splits a step's freshness: the description that first reached the
-step's progress statement (its ``minted_at_ms``), and the last report of its writer partitions
-(``written_at_ms``), read from the ``descs`` and ``batches`` topics of the real broker."""
+step's progress statement (its ``minted_at_ms``), and the last of its writer partitions' reports
+(``written_at_ms``, and when it was produced), read from the ``descs`` and ``batches`` topics of
+the real broker."""
 
 from __future__ import annotations
 
@@ -53,15 +54,18 @@ def test_a_steps_split_is_its_first_description_and_its_last_report(stack: Any, 
         producer.flush()
         assert _until(lambda: watch.split("s", 2) is not None and watch.split("o", 9) is not None)
         skew = time.monotonic() - time.time()
-        minted, written = watch.split("s", 3) or (0.0, 0.0)
+        minted, written, produced = watch.split("s", 3) or (0.0, 0.0, 0.0)
         assert abs(minted - (t0 + 0.1 + skew)) < 0.05 and abs(written - (t0 + 0.4 + skew)) < 0.05
+        assert t0 + skew - 0.05 <= produced <= time.monotonic() + 0.05  # produced in this test, after t0
         assert watch.split("s", 3) == watch.split("s", 1)  # the first description that reached it
         assert watch.split("s", 5) is None  # tok-b: one writer partition of two has reported
         assert watch.split("s", 10) is None  # no description reached it
+        before = time.monotonic()
         producer.send(batches_topic, rcodec.encode(BatchReport.for_description(second, 0, now_ms=int(t0 * 1000) + 900).to_dict()))
         producer.flush()
         assert _until(lambda: watch.split("s", 9) is not None)
-        minted, written = watch.split("s", 9) or (0.0, 0.0)
+        minted, written, produced_last = watch.split("s", 9) or (0.0, 0.0, 0.0)
         assert abs(minted - (t0 + 0.2 + skew)) < 0.05 and abs(written - (t0 + 0.9 + skew)) < 0.05
+        assert produced_last >= before - 0.05  # when the later report was produced
     finally:
         watch.stop()
