@@ -88,6 +88,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -266,6 +267,16 @@ class Reached:
                 self._reached.setdefault(name, []).append((at, u))
 
 
+def polled(consumer: Any, stop: threading.Event) -> Iterator[list[Any]]:
+    """The consumer's messages that hold a value, a round at a time (an empty one at least every
+    50 ms or so), until ``stop`` is set; then the consumer is closed."""
+    try:
+        while not stop.is_set():
+            yield [m for m in consumer.consume(500, 0.05) if m.error() is None and m.value()]
+    finally:
+        consumer.close()
+
+
 class UppersWatch(Reached):
     """Every shard's upper as its appender announces it on ``frontiers`` (one consumer for all
     shards), timed by the announcement's ``updated_at_ms``; a registered shard whose upper is
@@ -338,25 +349,20 @@ class UppersWatch(Reached):
 
         codec = message_codec("frontier_update")
         next_check, turn = time.monotonic() + self.check_s, 0
-        try:
-            while not self._stop.is_set():
-                for msg in self._consumer.consume(500, 0.05):
-                    if msg.error() is not None or not msg.value():
-                        continue
-                    try:
-                        d = codec.decode(msg.value() or b"")
-                        f = Frontier.from_json(d["upper"])
-                        u = 2**64 - 1 if f.time is None else f.time
-                        self._advance(d["shard_id"], u, d["updated_at_ms"] / 1000 + self._skew)
-                    except Exception:  # noqa: BLE001 - the reads below catch what this misses
-                        self.read_errors += 1
-                now = time.monotonic()
-                if now >= next_check:
-                    turn += 1
-                    pending = self._check_one(turn)
-                    next_check = now + self.check_s / max(1, pending)
-        finally:
-            self._consumer.close()
+        for msgs in polled(self._consumer, self._stop):
+            for msg in msgs:
+                try:
+                    d = codec.decode(msg.value() or b"")
+                    f = Frontier.from_json(d["upper"])
+                    u = 2**64 - 1 if f.time is None else f.time
+                    self._advance(d["shard_id"], u, d["updated_at_ms"] / 1000 + self._skew)
+                except Exception:  # noqa: BLE001 - the reads below catch what this misses
+                    self.read_errors += 1
+            now = time.monotonic()
+            if now >= next_check:
+                turn += 1
+                pending = self._check_one(turn)
+                next_check = now + self.check_s / max(1, pending)
 
     def stop(self) -> None:
         self._stop.set()
@@ -403,28 +409,22 @@ class StageWatch:
         from shared.sink_messages import BatchDescription, BatchReport
 
         descs, reports = message_codec("batch_description"), message_codec("written_batch")
-        try:
-            while not self._stop.is_set():
-                for msg in self._consumer.consume(500, 0.05):
-                    if msg.error() is not None or not msg.value():
-                        continue
-                    try:
-                        if msg.topic() == self._topics[0]:
-                            d = BatchDescription.from_dict(descs.decode(msg.value() or b""))
-                            u = 2**64 - 1 if d.upper.time is None else d.upper.time
-                            with self._lock:
-                                self._minted.setdefault(d.sink_id, []).append(
-                                    (u, d.minted_at_ms / 1000 + self._skew, d.token))
-                        else:
-                            r = BatchReport.from_dict(reports.decode(msg.value() or b""))
-                            with self._lock:
-                                n, by_wp = self._written.setdefault(r.desc_token, (r.partition_count, {}))
-                                by_wp.setdefault(r.partition, (r.written_at_ms / 1000 + self._skew,
-                                                               msg.timestamp()[1] / 1000 + self._skew))
-                    except Exception:  # noqa: BLE001 - a message it cannot read leaves its step unsplit
-                        continue
-        finally:
-            self._consumer.close()
+        for msgs in polled(self._consumer, self._stop):
+            for msg in msgs:
+                try:
+                    if msg.topic() == self._topics[0]:
+                        d = BatchDescription.from_dict(descs.decode(msg.value() or b""))
+                        u = 2**64 - 1 if d.upper.time is None else d.upper.time
+                        with self._lock:
+                            self._minted.setdefault(d.sink_id, []).append((u, d.minted_at_ms / 1000 + self._skew, d.token))
+                    else:
+                        r = BatchReport.from_dict(reports.decode(msg.value() or b""))
+                        with self._lock:
+                            n, by_wp = self._written.setdefault(r.desc_token, (r.partition_count, {}))
+                            by_wp.setdefault(r.partition, (r.written_at_ms / 1000 + self._skew,
+                                                           msg.timestamp()[1] / 1000 + self._skew))
+                except Exception:  # noqa: BLE001 - a message it cannot read leaves its step unsplit
+                    continue
 
     def split(self, name: str, frontier: int) -> tuple[float, float, float] | None:
         """When the first description of sink ``name`` whose upper reached ``frontier`` was
