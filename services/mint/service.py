@@ -75,7 +75,8 @@ log = logging.getLogger("shardsink.mint")
 #: The longest mint goes without reading the shard's state (see :meth:`SinkMinter.process`).
 SHARD_REFRESH_S = 1.0
 #: With :attr:`SinkMinter.backoff` (the shared query's minters), a sink waiting for its upper
-#: reads the shard after 1 s, or after twice the last description's wait for its announced
+#: reads the shard 1 s after its description was minted (or after its last read, if later), or
+#: after twice the last description's wait for its announced
 #: upper when that was longer (a busy deployment: a read before it finds nothing new), then
 #: after twice as long each time the upper has not moved, up to this: the appenders'
 #: announcements carry the uppers, and an appender that restarts announces again the upper
@@ -118,8 +119,18 @@ class SinkMinter:
 
     def refresh_due(self, now: float) -> bool:
         """Whether the shard's state is due to be read again (never read, or read
-        :attr:`refresh_every` ago)."""
-        return self.refreshed_at is None or now - self.refreshed_at >= self.refresh_every
+        :attr:`refresh_every` ago). A shared minter (:attr:`backoff`) counts from the later of
+        the last read (or announcement) and the last description's minting: the read covers a
+        lost announcement of that description's upper, which cannot come before it was minted.
+        (Counted from the last announcement alone, a step minted 2 s after its predecessor's
+        upper came read the shard in the next micro-batch, before any write could have run: at
+        100 sinks, three quarters of the mint driver's time.)"""
+        if self.refreshed_at is None:
+            return True
+        since = self.refreshed_at
+        if self.backoff and self.minted_at is not None:
+            since = max(since, self.minted_at)
+        return now - since >= self.refresh_every
 
     def note_unread(self, partition: int, start: int, end: int) -> None:
         """A micro-batch planned ``[start, end)`` of a desired partition."""

@@ -239,7 +239,8 @@ def test_a_shared_minter_with_its_upper_in_hand_mints_the_next_step_without_read
     """A shared minter whose last description's upper was announced reads no shard when the
     next step's progress comes, however long after (the appenders announce every upper); once
     a description is in flight and its upper does not come, it reads after 1 s, in case the
-    announcement was lost."""
+    announcement was lost (1 s after the description was minted, not after the last
+    announcement)."""
     clock, shard, producer, m = shared_minter(monkeypatch)
 
     m.process(records((KIND_PROGRESS, "desired", 5)))
@@ -252,7 +253,11 @@ def test_a_shared_minter_with_its_upper_in_hand_mints_the_next_step_without_read
     m.process(records((KIND_PROGRESS, "desired", 9)))
     assert (shard.reads, len(producer.sent)) == (1, 2)  # [5, 9) minted from the announced upper, no read
     assert not m.upper_in_hand()
-    clock[0] += 1.0  # [5, 9)'s upper not announced within 1 s: read
+    clock[0] += 0.5  # the next micro-batch: 3.5 s since the announcement, but [5, 9) was minted 0.5 s ago
+    assert not m.refresh_due(clock[0])
+    m.process(records())
+    assert shard.reads == 1  # no read: its upper cannot have come yet
+    clock[0] += 0.5  # [5, 9)'s upper not announced within 1 s of its minting: read
     shard.upper = 9
     m.process(records())
     assert shard.reads == 2 and m.state.persist_frontier == Frontier.at(9) and m.upper_in_hand()
