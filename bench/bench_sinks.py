@@ -267,6 +267,11 @@ class Reached:
                 self._reached.setdefault(name, []).append((at, u))
 
 
+def frontier_time(f: Any) -> int:
+    """A frontier as a time to compare steps' frontiers with (the empty frontier: past them all)."""
+    return 2**64 - 1 if f.time is None else int(f.time)
+
+
 def polled(consumer: Any, stop: threading.Event) -> Iterator[list[Any]]:
     """The consumer's messages that hold a value, a round at a time (an empty one at least every
     50 ms or so), until ``stop`` is set; then the consumer is closed."""
@@ -353,8 +358,7 @@ class UppersWatch(Reached):
             for msg in msgs:
                 try:
                     d = codec.decode(msg.value() or b"")
-                    f = Frontier.from_json(d["upper"])
-                    u = 2**64 - 1 if f.time is None else f.time
+                    u = frontier_time(Frontier.from_json(d["upper"]))
                     self._advance(d["shard_id"], u, d["updated_at_ms"] / 1000 + self._skew)
                 except Exception:  # noqa: BLE001 - the reads below catch what this misses
                     self.read_errors += 1
@@ -378,9 +382,9 @@ class StageWatch:
     upper)."""
 
     def __init__(self, kafka: Any, descs_topic: str, batches_topic: str) -> None:
-        from confluent_kafka import OFFSET_END, TopicPartition
+        from confluent_kafka import TopicPartition
 
-        from shared.io.kafka import new_consumer
+        from shared.io.kafka import OffsetProbe, new_consumer
 
         self._skew = time.monotonic() - time.time()
         self._lock = threading.Lock()
@@ -391,15 +395,10 @@ class StageWatch:
         self._written: dict[str, tuple[int, dict[int, tuple[float, float]]]] = {}
         self._topics = (descs_topic, batches_topic)
         self._consumer = new_consumer(kafka, **{"fetch.wait.max.ms": "100"})
-        md = self._consumer.list_topics(timeout=10)
-        tps = [TopicPartition(t, p) for t in self._topics for p in (md.topics[t].partitions if t in md.topics else {0: None})]
         # From the ends as they are now (what is produced from here on is seen).
-        for tp in tps:
-            try:
-                tp.offset = self._consumer.get_watermark_offsets(tp, timeout=10)[1]
-            except Exception:  # noqa: BLE001 - a topic not there yet: its first record on
-                tp.offset = OFFSET_END
-        self._consumer.assign(tps)
+        with OffsetProbe(kafka) as probe:
+            ends = probe.ends([(t, p) for t in self._topics for p in probe.partitions_of(t)])
+        self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in ends.items()])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stage-watch", daemon=True)
         self._thread.start()
@@ -414,13 +413,13 @@ class StageWatch:
                 try:
                     if msg.topic() == self._topics[0]:
                         d = BatchDescription.from_dict(descs.decode(msg.value() or b""))
-                        u = 2**64 - 1 if d.upper.time is None else d.upper.time
                         with self._lock:
-                            self._minted.setdefault(d.sink_id, []).append((u, d.minted_at_ms / 1000 + self._skew, d.token))
+                            self._minted.setdefault(d.sink_id, []).append(
+                                (frontier_time(d.upper), d.minted_at_ms / 1000 + self._skew, d.token))
                     else:
                         r = BatchReport.from_dict(reports.decode(msg.value() or b""))
                         with self._lock:
-                            n, by_wp = self._written.setdefault(r.desc_token, (r.partition_count, {}))
+                            _, by_wp = self._written.setdefault(r.desc_token, (r.partition_count, {}))
                             by_wp.setdefault(r.partition, (r.written_at_ms / 1000 + self._skew,
                                                            msg.timestamp()[1] / 1000 + self._skew))
                 except Exception:  # noqa: BLE001 - a message it cannot read leaves its step unsplit
