@@ -53,6 +53,14 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   on this machine is 2-4 s); ``recovery_s`` is the median after 10N, ``recovery_n_s`` after N, and
   ``recovery_history_ratio`` their ratio: the restarted writer resumes from its checkpoint,
   so recovery depends on the state's size, not on the history's.
+- ``baseline_recovery_s``: the same for the plain Spark baseline, in the same run: after its
+  bursts, with the baseline idle, its process (group) is SIGKILLed and restarted at once on
+  its checkpoint; the time from the kill until a step of 1,000 updates produced after it is in
+  a Parquet object (median of ``--repeats`` kills, runs in ``baseline_recovery_runs``). A
+  restart of any Spark Structured Streaming application pays the same process, JVM,
+  SparkSession, query and first micro-batch starts, so this is the floor a SIGKILLed write
+  service is measured against: ``recovery_vs_baseline`` = ``recovery_s`` /
+  ``baseline_recovery_s`` (lower is better).
 
 - The delta-rs peer (issue 31; ``--no-deltalake`` leaves it out): after the sink's freshness
   runs, a minimal Kafka-to-Delta loop (:func:`deltalake_worker`, a child process) reads the
@@ -83,7 +91,7 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
 
 Every ``*_vs_*`` figure is ours over the other's: a rate (updates/s: ``sink_vs_baseline``,
 ``sink_vs_deltalake``) is better above 1, a time (``freshness_vs_deltalake``,
-``snapshot_1m_vs_deltalake``) below 1.
+``snapshot_1m_vs_deltalake``, ``recovery_vs_baseline``) below 1.
 
 ``--quick`` shrinks every size (a smoke run). Figures on a shared 2-core machine are noisy:
 the load average of each phase is reported (``load``).
@@ -318,7 +326,8 @@ def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
                            wait_for_records_ms=settings.source_wait_ms)
     q = (
         df.writeStream.foreachBatch(each)
-        .option("checkpointLocation", os.path.join(settings.checkpoint_dir, "baseline", uuid.uuid4().hex[:8]))
+        # One checkpoint per prefix: a restarted worker resumes from it (the baseline's recovery).
+        .option("checkpointLocation", os.path.join(settings.checkpoint_dir, "baseline", prefix.replace("/", "-")))
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .start()
     )
@@ -333,11 +342,19 @@ def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
 
 
 def baseline_rows(progress_file: Path) -> int:
+    """The rows the baseline wrote, each micro-batch counted once (a batch a restarted worker
+    ran again writes the same object and line again)."""
     try:
         lines = progress_file.read_text().splitlines()
     except OSError:
         return 0
-    return sum(json.loads(x).get("rows", 0) for x in lines if x.strip())
+    rows: dict[int, int] = {}
+    for x in lines:
+        if x.strip():
+            d = json.loads(x)
+            if "batch" in d:
+                rows[d["batch"]] = d["rows"]
+    return sum(rows.values())
 
 
 # -- the delta-rs peer (a child process) ----------------------------------------------------------
@@ -786,6 +803,24 @@ def main() -> int:
             out["baseline_updates_per_s_runs"] = [round(n_updates / r[0]) for r in base_runs]
             out["baseline_seconds"] = round(base_s, 2)
             out["produce_updates_per_s"] = round(n_updates / statistics.median(r[1] for r in base_runs))
+            # Its recovery: SIGKILLed while idle, restarted at once on its checkpoint, until a
+            # step produced after the kill is written.
+            base_recov: list[float] = []
+            for _ in range(repeats):
+                time.sleep(1.0)  # the last burst's micro-batches commit
+                log("baseline: SIGKILL")
+                base.kill()
+                t_kill = time.monotonic()
+                base.start()
+                wl.send_step(wl.make(1_000))
+                producer.flush()
+                records = producer.sent_updates + producer.sent_progress
+                wait_for(lambda: baseline_rows(progress) >= records, 600, "the baseline back in step after the kill",
+                         [base])
+                base_recov.append(time.monotonic() - t_kill)
+                log(f"baseline: back in step {base_recov[-1]:.2f}s after the kill")
+            out["baseline_recovery_s"] = round(statistics.median(base_recov), 2)
+            out["baseline_recovery_runs"] = [round(x, 2) for x in base_recov]
             base.stop()
 
             # -- 2. the sink, warm and in step: throughput ------------------------------------
@@ -943,6 +978,7 @@ def main() -> int:
             out["recovery_n_runs"] = [round(x, 2) for x in recov[n_hist]]
             out["recovery_runs"] = [round(x, 2) for x in recov[10 * n_hist]]
             out["recovery_history_ratio"] = round(rec_10n / rec_n, 2)
+            out["recovery_vs_baseline"] = round(rec_10n / out["baseline_recovery_s"], 3)
             out["recovery_topic_updates"] = rwl.updates
             out["recovery_shard_rows"] = rec_shard.refresh().total_rows()
             watch.stop()

@@ -28,7 +28,7 @@ FIGURES = {
     "bench-kafka": ["raw_produce_records_per_s", "raw_consume_records_per_s", "source_records_per_s",
                     "sink_records_per_s"],
     "bench-sink": ["sink_updates_per_s", "baseline_updates_per_s", "freshness_p50_s", "freshness_p99_s",
-                   "recovery_s", "correction_peak_ratio",
+                   "recovery_s", "correction_peak_ratio", "baseline_recovery_s", "recovery_vs_baseline",
                    # the delta-rs peer on the same topic and S3 server (issue 31)
                    "sink_vs_deltalake", "freshness_vs_deltalake", "snapshot_1m_vs_deltalake",
                    "deltalake_updates_per_s", "deltalake_freshness_p50_s", "deltalake_read_1m_s",
