@@ -331,7 +331,7 @@ def baseline_worker(topic: str, prefix: str, progress_file: str) -> int:
         .trigger(processingTime=f"{settings.trigger_ms} milliseconds")
         .start()
     )
-    out.write(json.dumps({"started": True}) + "\n")
+    out.write(json.dumps({"started": True, "t": time.time()}) + "\n")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.is_set() and q.isActive:
@@ -774,7 +774,7 @@ def main() -> int:
             progress = work / "baseline-progress.jsonl"
             base = Proc(
                 "baseline",
-                [sys.executable, str(REPO / "bench" / "bench_sink.py"), "--baseline-worker", topic, "baseline/run", str(progress)],
+                [sys.executable, str(REPO / "bench" / "bench_sink.py"), "--baseline-worker", topic, f"baseline/{uuid.uuid4().hex[:8]}", str(progress)],
                 env,
                 work / "baseline.log",
             ).start()
