@@ -15,6 +15,12 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
 - ``rss_gib``: their summed RSS then (forked Python workers share pages, which are counted
   once per process); ``rss_gib_busy_max``: the largest sum sampled during the workload;
 - ``busy_cpu_share``: CPU seconds of the tree during the workload over (wall seconds x cores);
+- ``s3_requests_per_step``: the requests the S3 server answered during the workload (the
+  services' or the peer's, and the benchmark's own reads of a shard behind) over the steps
+  produced in it; ``s3_requests_per_step_by_kind`` splits them by method and object
+  (``PUT if part``: a staged part, ``GET state`` / ``PUT if state``: a shard's state read and
+  compare-and-appended, ``GET catalog``, ``PUT hint``, ``list``, ``other``; the embedded S3
+  server's counts, :class:`shared.devstack.moto_server.RequestCounts`);
 - ``idle_cpu_share``: the same over ``--idle-s`` (20 s) with no input, after the workload has
   drained and a settling pause;
 - ``freshness_p50_s`` / ``freshness_p99_s``: per step, from ``advance_to`` returning (the
@@ -88,7 +94,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -692,6 +698,16 @@ def peer_rows(feeds: list[Feed], root: str, env: dict[str, str]) -> dict[str, in
 # -- one N ----------------------------------------------------------------------------------------------------
 
 
+def requests_per_step(before: dict[str, int], after: dict[str, int], steps: int) -> dict[str, Any]:
+    """``s3_requests_per_step`` and ``s3_requests_per_step_by_kind`` from two snapshots of the
+    S3 server's counts around ``steps`` steps."""
+    spent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    spent = {k: v for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0}
+    per = max(1, steps)
+    return {"s3_requests_per_step": round(sum(spent.values()) / per, 2),
+            "s3_requests_per_step_by_kind": {k: round(v / per, 2) for k, v in spent.items()}}
+
+
 @dataclass(frozen=True, slots=True)
 class Phases:
     busy_s: float
@@ -702,7 +718,8 @@ class Phases:
 
 
 def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | None, work: Path, run: str,
-            ph: Phases, stage_watch: StageWatch | None = None) -> dict[str, Any]:
+            ph: Phases, stage_watch: StageWatch | None = None,
+            s3_requests: Callable[[], dict[str, int]] | None = None) -> dict[str, Any]:
     """One N's figures: its sinks served by the services, their uppers seen by ``watch`` (and
     each step's freshness split by ``stage_watch``); with no watch, the delta-rs peer serves
     the N topics instead."""
@@ -767,6 +784,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         sampler = threading.Thread(target=sample, daemon=True)
         log(f"{at}: workload: {periods} steps of {UPDATES_PER_STEP} updates per sink, one every {PERIOD_S:.0f}s")
         out["load_busy"] = load()
+        r0 = s3_requests() if s3_requests is not None else None
         u0, w0 = tree_usage(child.pid), time.monotonic()
         sampler.start()
         with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
@@ -778,6 +796,8 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
                     pool.submit(f.step, uppers)
             time.sleep(max(0.0, w0 + periods * PERIOD_S - time.monotonic()))
         u1, w1 = tree_usage(child.pid), time.monotonic()
+        if r0 is not None and s3_requests is not None:
+            out.update(requests_per_step(r0, s3_requests(), periods * n))
         stop_sampling.set()
         sampler.join()
         out["busy_cpu_share"] = round((u1.cpu_s - u0.cpu_s) / ((w1 - w0) * cores), 3)
@@ -934,6 +954,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 TOP_LEVEL = (
     "processes", "rss_gib", "idle_cpu_share", "busy_cpu_share", "freshness_p50_s", "freshness_p99_s",
     "start_to_first_uppers_s", "sinks_without_upper", "new_sink_first_upper_s", "query_failures",
+    "s3_requests_per_step",
 )
 
 
@@ -1001,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for n in sinks:
                 try:
-                    per_n.append(measure(n, settings, env, watch, work, run, ph, stage_watch))
+                    per_n.append(measure(n, settings, env, watch, work, run, ph, stage_watch, stack.s3_requests))
                 except Exception as e:  # noqa: BLE001 - a failed N is a figure; the next N runs
                     log(f"N={n}: failed: {type(e).__name__}: {e}")
                     per_n.append({"sinks": n, "error": f"{type(e).__name__}: {e}"})

@@ -151,6 +151,13 @@ class EmbeddedStack:
         """The S3 server itself (never through the proxy)."""
         return f"http://127.0.0.1:{self.s3_port}"
 
+    def s3_requests(self) -> dict[str, int]:
+        """The requests the S3 server has answered so far, by method and kind
+        (:class:`shared.devstack.moto_server.RequestCounts`)."""
+        from shared.devstack.moto_server import read_request_counts
+
+        return read_request_counts(self.s3_endpoint)
+
     @property
     def s3_proxy_endpoint(self) -> str:
         """The S3 server through its fault proxy (the server itself without ``net_faults``)."""

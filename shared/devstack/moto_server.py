@@ -21,13 +21,20 @@ and both answer 200 (seen once in a CI run under load, 2 winners among 6 racing 
 decides a conditional write atomically, and every compare-and-append here is built on that, so
 the server takes conditional writes one at a time (:class:`SerialConditionalWrites`).
 
+The server counts the requests it answers by method and kind (:class:`RequestCounts`; ``GET
+/_shardsink/requests`` answers them as JSON, and ``_shardsink`` cannot name an S3 bucket), so a
+benchmark can say what a step of a sink costs in S3 requests.
+
 Usage: ``python -m shared.devstack.moto_server HOST PORT``.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,11 +71,65 @@ class SerialConditionalWrites:
                     close()
 
 
+#: Where the counts are answered (an underscore never starts an S3 bucket's name).
+COUNTS_PATH = "/_shardsink/requests"
+
+#: An object's kind, by the first pattern its path matches (a shard's layout, the catalog's).
+KINDS = (
+    ("catalog", re.compile(r"/catalog/")),
+    ("part", re.compile(r"/data/")),
+    ("state", re.compile(r"/state/")),
+    ("hint", re.compile(r"/hint$")),
+)
+
+
+def request_kind(environ: dict[str, Any]) -> str:
+    """``<METHOD>[ if] <kind>``: ``if`` for a conditional write; the kind from :data:`KINDS`,
+    ``list`` for a listing, ``other`` for anything else."""
+    method = str(environ.get("REQUEST_METHOD", ""))
+    cond = " if" if any(h in environ for h in _CONDITIONS) else ""
+    path = str(environ.get("PATH_INFO", ""))
+    if "list-type" in str(environ.get("QUERY_STRING", "")):
+        kind = "list"
+    else:
+        kind = next((k for k, pattern in KINDS if pattern.search(path)), "other")
+    return f"{method}{cond} {kind}"
+
+
+class RequestCounts:
+    """WSGI middleware: counts every request by :func:`request_kind` and answers
+    :data:`COUNTS_PATH` with the counts so far (``{"requests": {"GET state": 12, ...}}``)."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app = app
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == COUNTS_PATH:
+            with self.lock:
+                body = json.dumps({"requests": dict(self.counts)}).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        kind = request_kind(environ)
+        with self.lock:
+            self.counts[kind] += 1
+        return self.app(environ, start_response)
+
+
+def read_request_counts(endpoint: str, timeout_s: float = 10.0) -> dict[str, int]:
+    """The counts a server at ``endpoint`` (``http://host:port``) has so far (:class:`RequestCounts`)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{endpoint}{COUNTS_PATH}", timeout=timeout_s) as r:
+        return {str(k): int(v) for k, v in json.load(r)["requests"].items()}
+
+
 def serve(host: str, port: int) -> None:
     import waitress
     from moto.moto_server.werkzeug_app import create_backend_app
 
-    app = SerialConditionalWrites(create_backend_app("s3"))
+    app = RequestCounts(SerialConditionalWrites(create_backend_app("s3")))
     # Server errors only reach the log (a line per request costs the server a share of its CPU).
     waitress.serve(app, host=host, port=port, threads=THREADS, connection_limit=CONNECTION_LIMIT,
                    channel_timeout=60, asyncore_use_poll=True, ident="shardsink-embedded-s3", _quiet=True)
