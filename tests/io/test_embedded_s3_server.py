@@ -2,7 +2,8 @@
 checks a write's condition and then writes, and under load two ``If-None-Match: *`` PUTs of one
 key both won (CI, 2 winners among 6 threads). The race itself against the real server is
 ``tests/shared/test_shard_concurrency.py``; this pins the middleware with an application that
-races the same way, its gap between check and write made wide."""
+races the same way, its gap between check and write made wide. The server also counts the
+requests it answers by method and object, which ``bench/bench_sinks.py`` reports per step."""
 
 from __future__ import annotations
 
