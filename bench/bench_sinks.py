@@ -701,8 +701,9 @@ def peer_rows(feeds: list[Feed], root: str, env: dict[str, str]) -> dict[str, in
 def requests_per_step(before: dict[str, int], after: dict[str, int], steps: int) -> dict[str, Any]:
     """``s3_requests_per_step`` and ``s3_requests_per_step_by_kind`` from two snapshots of the
     S3 server's counts around ``steps`` steps."""
-    spent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    spent = {k: v for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0}
+    from shared.devstack.moto_server import counts_since
+
+    spent = counts_since(before, after)
     per = max(1, steps)
     return {"s3_requests_per_step": round(sum(spent.values()) / per, 2),
             "s3_requests_per_step_by_kind": {k: round(v / per, 2) for k, v in spent.items()}}

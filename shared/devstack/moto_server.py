@@ -125,6 +125,13 @@ def read_request_counts(endpoint: str, timeout_s: float = 10.0) -> dict[str, int
         return {str(k): int(v) for k, v in json.load(r)["requests"].items()}
 
 
+def counts_since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The requests answered between two snapshots of the counts, by kind (kinds with none
+    left out), the most frequent first."""
+    spent = {k: n - before.get(k, 0) for k, n in after.items()}
+    return {k: n for k, n in sorted(spent.items(), key=lambda kv: -kv[1]) if n > 0}
+
+
 def serve(host: str, port: int) -> None:
     import waitress
     from moto.moto_server.werkzeug_app import create_backend_app

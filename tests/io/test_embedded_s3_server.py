@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shared.devstack.moto_server import SerialConditionalWrites, read_request_counts, request_kind
+from shared.devstack.moto_server import SerialConditionalWrites, counts_since, request_kind
 
 
 class CheckThenWrite:
@@ -96,41 +96,21 @@ def test_request_kind_names_the_method_the_condition_and_the_object() -> None:
 
 def test_the_embedded_server_counts_the_requests_it_answers_by_kind(tmp_path: Any) -> None:
     """A server of its own (the session's stack serves other tests' processes meanwhile)."""
-    import subprocess
-    import sys
-
-    import boto3
-
-    from shared.devstack.embedded import EMBEDDED_ACCESS_KEY, EMBEDDED_SECRET_KEY, free_port
+    from shared.devstack.embedded import EMBEDDED_ACCESS_KEY, EMBEDDED_SECRET_KEY, EmbeddedStack, free_port
     from shared.io.s3 import S3ObjectStore, S3Settings
 
-    port = free_port()
-    with open(tmp_path / "moto.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "shared.devstack.moto_server", "127.0.0.1", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
+    s3 = EmbeddedStack(bucket="counts", s3_port=free_port())
     try:
-        endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                read_request_counts(endpoint)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "expected the S3 server up within 60 s"
-                time.sleep(0.1)
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=EMBEDDED_ACCESS_KEY,
-                     aws_secret_access_key=EMBEDDED_SECRET_KEY, region_name="us-east-1").create_bucket(Bucket="counts")
-        store = S3ObjectStore(S3Settings(bucket="counts", endpoint=endpoint, access_key=EMBEDDED_ACCESS_KEY,
+        s3._start_s3(tmp_path, timeout_s=60)  # the S3 server alone, its bucket created
+        store = S3ObjectStore(S3Settings(bucket="counts", endpoint=s3.s3_endpoint, access_key=EMBEDDED_ACCESS_KEY,
                                          secret_key=EMBEDDED_SECRET_KEY, prefix="p"))
-        before = read_request_counts(endpoint)
+        before = s3.s3_requests()
         store.put("shards/x/data/p-w0of1.parquet", b"part")
         store.put("shards/x/state/1.json", b"{}")
         assert store.get("shards/x/state/1.json") == b"{}"
         assert store.get("shards/x/state/1.json") == b"{}"
         store.put("shards/x/hint", b"1")
-        after = read_request_counts(endpoint)
+        after = s3.s3_requests()
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    spent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    assert {k: v for k, v in spent.items() if v} == {"PUT part": 1, "PUT state": 1, "GET state": 2, "PUT hint": 1}
+        s3.stop()
+    assert counts_since(before, after) == {"PUT part": 1, "PUT state": 1, "GET state": 2, "PUT hint": 1}
