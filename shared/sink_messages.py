@@ -49,6 +49,37 @@ def as_frontier(v: FrontierLike) -> Frontier:
 
 
 @dataclass(frozen=True, slots=True)
+class AppendedBatch:
+    """What one append added to a shard: the data objects of every batch its committed state
+    holds above ``lower`` (the upper it started from), and how many row schema versions that
+    state has. Announced with the new upper on ``frontiers``, and carried by the description
+    minted from that upper: a writer whose contents reach ``lower`` takes the shard to the new
+    upper from it, as it would from the state itself, without reading the state. Field names
+    follow the ``AppendedBatch`` record of ``schemas/frontier_update.avsc``."""
+
+    lower: Frontier
+    parts: tuple[str, ...] = ()
+    schema_versions: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lower": self.lower.time, "parts": list(self.parts), "schema_versions": self.schema_versions}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None) -> AppendedBatch | None:
+        """None for None (a message without one) or for a malformed one (it is only ever a
+        shortcut: its reader then reads the shard's state)."""
+        if not isinstance(d, dict):
+            return None
+        try:
+            lower, parts, versions = d["lower"], d["parts"], int(d["schema_versions"])
+            if not isinstance(lower, int) or not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+                return None
+            return AppendedBatch(Frontier.at(lower), tuple(parts), versions)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
 class BatchDescription:
     """Write the updates in ``[lower, upper)`` and append them as one batch.
 
@@ -64,6 +95,9 @@ class BatchDescription:
     append_worker: int = 0
     partition_count: int = 1
     minted_at_ms: int = 0
+    #: the append that brought the shard to ``lower`` (:class:`AppendedBatch`), when mint
+    #: learned ``lower`` from its announcement; None otherwise
+    appended: AppendedBatch | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lower", as_frontier(self.lower))
@@ -104,6 +138,7 @@ class BatchDescription:
             "append_worker": self.append_worker,
             "partition_count": self.partition_count,
             "minted_at_ms": self.minted_at_ms,
+            "appended": None if self.appended is None else self.appended.to_dict(),
         }
 
     @staticmethod
@@ -118,6 +153,7 @@ class BatchDescription:
                 append_worker=int(d.get("append_worker", 0)),
                 partition_count=int(d.get("partition_count", 1)),
                 minted_at_ms=int(d.get("minted_at_ms", 0)),
+                appended=AppendedBatch.from_dict(d.get("appended")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidUsageError(f"expected a batch description, found {d!r}: {e}") from e

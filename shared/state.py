@@ -258,6 +258,11 @@ class ShardState:
     def referenced_keys(self) -> set[str]:
         return {p.key for b in self.batches for p in b.parts}
 
+    def keys_above(self, lower: Frontier) -> list[str]:
+        """The data objects of every batch whose upper is beyond ``lower``, in order: what a
+        reader whose contents reach ``lower`` reads to follow this state to its upper."""
+        return [p.key for b in self.batches if not b.upper.less_equal(lower) for p in b.parts]
+
     def protected_keys(self) -> set[str]:
         """Keys GC must not delete: referenced ones and retired ones still in grace."""
         return self.referenced_keys() | {r.key for r in self.retired}

@@ -424,6 +424,10 @@ class WriteState:
         for k in part_keys:
             self._staged_parts[k] = sid
 
+    def staged(self, part_key: str) -> bool:
+        """Whether this partition staged the object ``part_key`` (and has not read it back)."""
+        return part_key in self._staged_parts
+
     def take_staged(
         self, part_key: str
     ) -> tuple[ConsolidatedUpdates, ConsolidatedUpdates] | None:

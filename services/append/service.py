@@ -60,6 +60,7 @@ from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError, StagedBatchExpiredError, UpperMismatchError
 from shared.frontier import Frontier
 from shared.shard import Shard, StagedBatch
+from shared.state import ShardState
 from shared.append_state import (
     AppendAction,
     AppendState,
@@ -70,7 +71,7 @@ from shared.append_state import (
     ReadyToAppend,
     UpperMismatch,
 )
-from shared.sink_messages import BatchDescription, BatchReport
+from shared.sink_messages import AppendedBatch, BatchDescription, BatchReport
 
 log = logging.getLogger("shardsink.append")
 
@@ -90,6 +91,17 @@ class AppendMetrics:
     micro_batches: int = 0
 
 
+def appended_batch(state: ShardState, desc: BatchDescription) -> AppendedBatch | None:
+    """What ``desc``'s append added to the shard, as ``state`` (the committed state, or the head
+    that already held the token) shows it: the objects of every batch above the description's
+    lower, for a reader whose contents reach that lower. None when the state is already
+    beyond the description's upper (another append landed since), or a batch there starts
+    below the lower (merged across it): that reader then reads the state itself."""
+    if state.upper != desc.upper or any(b.lower.less_than(desc.lower) for b in state.batches if not b.upper.less_equal(desc.lower)):
+        return None
+    return AppendedBatch(desc.lower, tuple(state.keys_above(desc.lower)), len(state.versions))
+
+
 @dataclass
 class SinkAppender:
     sink: SinkDef
@@ -99,6 +111,9 @@ class SinkAppender:
     producer: ControlProducer
     metrics: AppendMetrics
     _to_delete: list[StagedBatch] = field(default_factory=list)
+    #: what each description committed in this run of actions added to the shard, by token,
+    #: until its upper is announced (with it)
+    _appended: dict[str, AppendedBatch | None] = field(default_factory=dict)
     #: Flush the producer after each step (False: the shared query flushes once per
     #: micro-batch for every sink, before it saves the micro-batch's state).
     flush_each: bool = True
@@ -121,7 +136,8 @@ class SinkAppender:
             a = queue.popleft()
             if isinstance(a, ReadyToAppend):
                 try:
-                    self.shard.compare_and_append_staged(self._handles(a.staged), a.desc.lower, a.desc.upper, token=a.desc.token)
+                    st = self.shard.compare_and_append_staged(self._handles(a.staged), a.desc.lower, a.desc.upper, token=a.desc.token)
+                    self._appended[a.desc.token] = appended_batch(st, a.desc)
                     outcome: Committed | UpperMismatch = Committed(a.desc.upper)
                     self.metrics.appends += 1
                 except UpperMismatchError as e:
@@ -144,14 +160,18 @@ class SinkAppender:
             elif isinstance(a, DeleteStaged):
                 self._to_delete.extend(self._handles(a.staged))
             elif isinstance(a, PublishUpper):
-                msg = {
+                # What the append added goes with its upper, for the writers' read-back.
+                done = self._appended.pop(a.desc_token, None) if a.desc_token is not None else None
+                msg: dict[str, Any] = {
                     "shard_id": self.sink.collection_id,
                     "sink_id": self.sink.sink_id,
                     "upper": a.upper.to_json(),
                     "desc_token": a.desc_token,
                     "updated_at_ms": int(time.time() * 1000),
+                    "appended": None if done is None else done.to_dict(),
                 }
                 self.producer.send(self.settings.frontiers_topic, message_codec("frontier_update").encode(msg), key=self.sink.collection_id.encode())
+        self._appended.clear()  # an upper is published in the same run as its append, or never
         if self.flush_each:
             self.producer.flush()
 

@@ -8,7 +8,9 @@ Contract (the seeds' mint operator):
   ``frontiers`` messages only wake the query up when the upper moves;
 - output: a :class:`shared.sink_messages.BatchDescription` on ``descs`` when writes are allowed,
   the desired frontier is ahead of the shard's upper, and the upper advanced since the last
-  description. Lowers are unique and strictly increasing.
+  description. Lowers are unique and strictly increasing. A description minted at an upper
+  an appender announced carries what that append added (the announcement's ``appended``),
+  for the writers' read-back.
 - identity: each start of the query takes a new epoch (wall-clock milliseconds) and a random
   nonce in its tokens, so a restarted minter's description with an old lower supersedes the
   old one, and batches written for the old one are never appended under it.
@@ -43,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,7 +70,8 @@ from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.shard import Shard
 from shared.mint_state import MintState
-from shared.sink_messages import as_frontier
+from shared.frontier import Frontier
+from shared.sink_messages import AppendedBatch, as_frontier
 
 log = logging.getLogger("shardsink.mint")
 
@@ -108,6 +111,9 @@ class SinkMinter:
     refresh_every: float = SHARD_REFRESH_S
     #: When the last description was minted (monotonic seconds; None: its upper came since).
     minted_at: float | None = None
+    #: The newest announced upper that came with what its append added to the shard: the next
+    #: description minted at that lower carries it, for the writers' read-back.
+    appended: tuple[Frontier, AppendedBatch] | None = None
 
     def upper_in_hand(self) -> bool:
         """Whether a shared minter (:attr:`backoff`) has its shard's upper and waits for none:
@@ -195,13 +201,16 @@ class SinkMinter:
         return SinkMinter(sink, settings, shard, state, producer or ControlProducer.create(settings.kafka, f"mint-{sink.sink_id}"))
 
     def process(self, table: pa.Table, read_unread: Callable[[dict[int, tuple[int, int]]], pa.Table] | None = None,
-                announced: Sequence[Any] | None = None, flush: bool = True) -> None:
+                announced: Sequence[Any] | None = None, flush: bool = True,
+                appended: Sequence[tuple[Any, AppendedBatch]] = ()) -> None:
         """One micro-batch: ``table`` holds its decoded records (all of them, or without the
         desired ranges noted unread, which ``read_unread`` reads and decodes when they can
         matter). ``announced``: the uppers the micro-batch's announcements carry (decoded by
         the caller; an int, or None for the empty frontier): absorbed as read, so an
         announcement costs no read of the shard. ``flush``: False when the caller flushes the
-        shared producer once for every sink (before it saves the micro-batch's state)."""
+        shared producer once for every sink (before it saves the micro-batch's state).
+        ``appended``: ``(upper, what its append added)`` of the announcements that carry it: a
+        description minted at the newest such upper carries it to the writers."""
         kinds = table["kind"].to_pylist()
         topics = table["topic"].to_pylist()
         self.absorb_progress(table)
@@ -224,6 +233,10 @@ class SinkMinter:
             before = self.state.persist_frontier
             for upper in announced:
                 self.state.absorb_shard_upper(as_frontier(upper))
+            for upper, added in appended:
+                f = as_frontier(upper)
+                if self.appended is None or self.appended[0].less_than(f):
+                    self.appended = (f, added)
             self.refreshed_at = now
             self.refresh_every = SHARD_REFRESH_S
             if self.backoff and self.minted_at is not None and before.less_than(self.state.persist_frontier):
@@ -243,6 +256,9 @@ class SinkMinter:
             self.desired_reads += 1
         desc = self.state.maybe_mint(int(time.time() * 1000))
         if desc is not None:
+            if self.appended is not None and self.appended[0] == desc.lower:
+                desc = replace(desc, appended=self.appended[1])
+            self.appended = None
             self.producer.send(
                 self.settings.descs_topic,
                 message_codec("batch_description").encode(desc.to_dict()),

@@ -45,6 +45,7 @@ from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
 from shared.side_by_side import side_by_side
+from shared.sink_messages import AppendedBatch
 
 log = logging.getLogger("shardsink.mint")
 
@@ -132,6 +133,7 @@ class SharedMint:
         # appended (another replica, or the controller).
         announced: dict[str, list[tuple[int, bytes]]] = {}
         uppers: dict[str, list[Any]] = {}
+        appended: dict[str, list[tuple[Any, AppendedBatch]]] = {}
         if frontier_ranges:
             raw = read_ranges_on_driver(s.kafka, frontier_ranges)
             codec = message_codec("frontier_update")
@@ -143,6 +145,9 @@ class SharedMint:
                     continue
                 announced.setdefault(shard_id, []).append((off, value))
                 uppers.setdefault(shard_id, []).append(upper)
+                added = AppendedBatch.from_dict(msg.get("appended"))
+                if added is not None:
+                    appended.setdefault(shard_id, []).append((upper, added))
 
         known = (progress or {}) if not first else {}  # a first batch reads its ranges from 0
         todo = [r for r in desired if r[1] not in known.get(r[0], {})]
@@ -214,7 +219,7 @@ class SharedMint:
                     m.refreshed_at = None  # a new checkpoint: read the shard now
                 got = decoded.get(key)
                 m.process(got if got is not None else decode_on_driver(raw_of(key, sink), topic, progress_only=True), read_unread,
-                          announced=uppers.get(sink.collection_id), flush=False)
+                          announced=uppers.get(sink.collection_id), flush=False, appended=appended.get(sink.collection_id, ()))
             except Exception as e:  # noqa: BLE001 - one sink's failure is that sink's alone
                 return e
             return None

@@ -31,6 +31,7 @@ from shared.desired import row_partition
 from shared.errors import DecodeError, EncodeError, ShardsinkError, SinkProtocolError
 from shared.frontier import Frontier
 from shared.shard import DIFF, ERROR, TIME, Shard, conform_part, schema_view
+from shared.sink_messages import AppendedBatch
 from shared.write_state import Stage, WriteState, error_partition
 from shared.spark.state_files import WriterStateFiles
 
@@ -474,16 +475,20 @@ class ShardContext:
         )
         self.absorb_unwritable(ws, r)
 
-    def read_back(self, ws: WriteState, at_least: Frontier | None = None) -> None:
+    def read_back(self, ws: WriteState, at_least: Frontier | None = None, appended: AppendedBatch | None = None) -> None:
         """Absorb (negated) everything the shard gained since the persist frontier.
         ``at_least``: an upper the shard is known to have reached (the lower of a new
         description, which mint read from the shard or an announcement): a head cached in this
         process that has reached it serves (a sink's other writer partition read it moments
         ago), with no round trip to the store, or else the first state that reached it (one
         GET, no probe beyond). A newer head only makes the description stale, which the
-        compare-and-append refuses."""
+        compare-and-append refuses. ``appended``: what the append that reached ``at_least``
+        added to the shard (the description carries it): when it starts at the persist
+        frontier, it serves instead of the state (:meth:`follow_appended`)."""
         persist = ws.persist_frontier
         if persist.time is None:
+            return
+        if at_least is not None and appended is not None and self.follow_appended(ws, at_least, appended):
             return
         state = self.shard.cached() if at_least is not None else None
         if state is None or (at_least is not None and state.upper.less_than(at_least)):
@@ -497,13 +502,35 @@ class ShardContext:
         self.follow(ws, state)
         if not persist.less_than(state.upper):
             return
-        keys = [p.key for b in state.batches if not b.upper.less_equal(persist) for p in b.parts]
+        keys = state.keys_above(persist)
         r = self.read_objects(ws, keys, persist.time, state.upper, state)
         ws.absorb_persist_batch(
             persist, state.upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
             error_times=r.error_times, error_diffs=r.error_diffs,
         )
         self.absorb_unwritable(ws, r)
+
+    def follow_appended(self, ws: WriteState, upper: Frontier, appended: AppendedBatch) -> bool:
+        """Absorb the batch an append added from the persist frontier up to ``upper``, from what
+        the append announced instead of the shard's state: the same objects the state lists
+        above that frontier (:meth:`shared.state.ShardState.keys_above`), so the same rows.
+        Only when it needs nothing else of the state: it starts at the persist frontier, the
+        state had the row schema versions this context knows, and each object is this
+        partition's own staged one or tagged with a writer partition (a merged or untagged
+        object is routed by the state's schemas). Returns whether it did; False leaves
+        everything as it was, for a read of the state."""
+        persist = ws.persist_frontier
+        n = self.job.partitions
+        if (appended.lower != persist or not persist.less_than(upper) or appended.schema_versions != self._nversions
+                or not all(ws.staged(k) or ((tag := part_tag(k)) is not None and tag[1] == n) for k in appended.parts)):
+            return False
+        r = self.read_objects(ws, list(appended.parts), persist.time, upper)
+        ws.absorb_persist_batch(
+            persist, upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
+            error_times=r.error_times, error_diffs=r.error_diffs,
+        )
+        self.absorb_unwritable(ws, r)
+        return True
 
     def stage(self, ws: WriteState, decision: Stage) -> str:
         upd, errs = decision.updates, decision.errors

@@ -173,8 +173,8 @@ def _write_step(job: WriteJob, wp: int, batch_id: int, table: pa.Table | None) -
         # Only a description is decided against the shard's contents: a micro-batch that holds
         # none (most of them, while a description is in flight) leaves the read-back to the
         # one that does, which absorbs every batch appended since, in order.
-        lowers = [d.lower for d in descs]
-        ctx.read_back(ws, at_least=max(lowers, key=_frontier_order) if lowers and ws.description is None else None)
+        newest = max(descs, key=lambda d: _frontier_order(d.lower)) if descs and ws.description is None else None
+        ctx.read_back(ws, at_least=None if newest is None else newest.lower, appended=None if newest is None else newest.appended)
     t4 = clock()
     for d in descs:
         ws.absorb_description(d)

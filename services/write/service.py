@@ -7,7 +7,10 @@ Contract (the seeds' write operator, with Kafka making order and completeness ex
   ``descs`` (batch descriptions). The shard is read back at every micro-batch that holds or
   receives a description, before it is decided, so ``frontiers`` is not read: an upper
   advance alone would cost a micro-batch that decides nothing (the next description, minted
-  only after mint saw that upper, triggers the read-back it needs);
+  only after mint saw that upper, triggers the read-back it needs). A description minted at an
+  announced upper carries what that append added (``BatchDescription.appended``): a partition
+  whose contents reach the append's lower absorbs those objects without reading the shard's
+  state (:meth:`services.write.context.ShardContext.follow_appended`);
 - state: one :class:`shared.write_state.WriteState` per writer partition (= desired topic
   partition), kept **on the executors** and checkpointed with the source offsets: the task
   that processes a partition in micro-batch N loads the partition's newest state version

@@ -18,6 +18,11 @@ from typing import Any
 import pytest
 
 from services.runtime.fleet import sink_key
+from services.sinkio import read_ranges_on_driver
+from services.write.context import part_tag
+from shared.codec import message_codec
+from shared.io.kafka import end_offsets
+from shared.sink_messages import BatchDescription
 from shared.catalog import quarantine_record
 from shared.devstack.embedded import EmbeddedStack
 from tests.services.test_sink_e2e import (
@@ -104,6 +109,18 @@ def wait_started(h: Harness) -> None:
         time.sleep(POLL_S)
 
 
+def descriptions(h: Harness) -> dict[str, list[BatchDescription]]:
+    """Every description on the harness's ``descs`` topic, by sink."""
+    topic = h.settings.descs_topic
+    raw = read_ranges_on_driver(h.settings.kafka, [(topic, p, 0, e) for p, e in end_offsets(h.settings.kafka, topic).items() if e])
+    codec = message_codec("batch_description")
+    out: dict[str, list[BatchDescription]] = {}
+    for v in raw["value"].to_pylist():
+        d = BatchDescription.from_dict(codec.decode(v))
+        out.setdefault(d.sink_id, []).append(d)
+    return out
+
+
 def queries(h: Harness) -> dict[str, Any]:
     return {n: f.query for n, f in h.services.fleets.items()}
 
@@ -120,9 +137,26 @@ def test_twenty_sinks_converge_each_to_its_model_at_every_upper(h: Harness, uniq
         for s in sinks:
             s.check()
     converge(h, sinks)
+    for s in sinks:  # one more step each, after its upper came
+        s.work.step(n=rng.randrange(5, 25), length=1)
+    converge(h, sinks)
     for s in sinks:
         assert s.seen and s.seen[-1] == s.work.frontier
         Harness.verify_uppers(s.shard, s.work)
+    # Mint put on the descriptions it minted at an announced upper what that append added,
+    # for the writers to follow without reading the shard's state: the objects of the
+    # description before it, each a writer partition's.
+    carried = 0
+    for s in sinks:
+        ds = sorted(descriptions(h)[s.sid], key=lambda d: d.lower_time)
+        assert ds[0].appended is None  # the first: no append came before it
+        for prev, d in zip(ds, ds[1:], strict=False):
+            if d.appended is not None:
+                carried += 1
+                assert (d.appended.lower, d.lower) == (prev.lower, prev.upper)
+                assert all(k.startswith(f"{s.shard.prefix}data/") and part_tag(k) in ((0, 2), (1, 2))
+                           for k in d.appended.parts), d.appended
+    assert carried > 0
     # One query per service served them all: none was restarted, none added.
     assert {n: id(q) for n, q in queries(h).items()} == before
     assert sum(f.restarts for f in h.services.fleets.values()) == 0

@@ -267,6 +267,7 @@ EXAMPLES: dict[str, list[Any]] = {
             "append_worker": 1,
             "partition_count": 4,
             "minted_at_ms": 1700000000000,
+            "appended": {"lower": 5, "parts": ["x/data/a-w0of4.parquet", "x/data/b-w3of4.parquet"], "schema_versions": 2},
         },
         {
             "sink_id": "s",
@@ -277,6 +278,7 @@ EXAMPLES: dict[str, list[Any]] = {
             "append_worker": 0,
             "partition_count": 1,
             "minted_at_ms": 0,
+            "appended": None,
         },
     ],
     "written_batch": [
@@ -308,8 +310,11 @@ EXAMPLES: dict[str, list[Any]] = {
         },
     ],
     "frontier_update": [
-        {"shard_id": "x", "sink_id": "s", "upper": 20, "desc_token": "2:10:ab", "updated_at_ms": 5},
-        {"shard_id": "x", "sink_id": None, "upper": None, "desc_token": None, "updated_at_ms": 0},
+        {"shard_id": "x", "sink_id": "s", "upper": 20, "desc_token": "2:10:ab", "updated_at_ms": 5,
+         "appended": {"lower": 10, "parts": ["x/data/a-w0of4.parquet"], "schema_versions": 1}},
+        {"shard_id": "x", "sink_id": None, "upper": None, "desc_token": None, "updated_at_ms": 0, "appended": None},
+        {"shard_id": "x", "sink_id": "s", "upper": 2**63 + 1, "desc_token": "t", "updated_at_ms": 0,
+         "appended": {"lower": 2**63, "parts": [], "schema_versions": 3}},
     ],
     "subscribe_output": [
         {"subscribe_id": "c13", "time": 5, "progressed": False, "diff": 1, "row": ROW, "error": None},
