@@ -22,22 +22,9 @@ from shared.frontier import Frontier
 from shared.shard import Shard, StagedBatch
 from shared.sink_messages import AppendedBatch, BatchDescription
 from shared.write_state import Stage, WriteState
+from tests.services.test_write_heads import store_gets
 
 SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}, {"name": "v", "type": "string"}]}
-
-
-def _gets(ctx: ShardContext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The keys ``ctx``'s store GETs from now on (states and data objects alike)."""
-    store = ctx.shard.store
-    got: list[str] = []
-    real = store.get
-
-    def get(key: str, *a: Any, **k: Any) -> bytes:
-        got.append(key)
-        return real(key, *a, **k)
-
-    monkeypatch.setattr(store, "get", get)
-    return got
 
 
 def _buffer(ws: WriteState) -> list[tuple[bytes, int, int]]:
@@ -81,7 +68,7 @@ def test_a_writer_follows_an_announced_append_without_reading_the_shard(
     # a twin of partition 0 (same buffer, same staged parts) reads back from the shard's state
     twin_ctx, twin = ShardContext(job), WriteState.from_checkpoint(states[0].to_checkpoint())
 
-    gets = [_gets(ctx, monkeypatch) for ctx in ctxs]
+    gets = [store_gets(ctx, monkeypatch) for ctx in ctxs]
     for ctx, ws in zip(ctxs, states, strict=True):
         ctx.read_back(ws, at_least=Frontier.at(3), appended=appended)
     assert gets == [[], []], "expected no GET: own parts from memory, the other partition's skipped by their tag"
@@ -110,7 +97,7 @@ def test_an_announcement_that_cannot_stand_for_the_state_leaves_the_read_to_it(
         assert not ctx.follow_appended(ws, Frontier.at(3), other)
         assert ws.to_checkpoint() == before and ws.persist_frontier == Frontier.at(0)
     # read_back then reads the state, with the same outcome
-    gets = _gets(ctx, monkeypatch)
+    gets = store_gets(ctx, monkeypatch)
     ctx.read_back(ws, at_least=Frontier.at(3), appended=dataclasses.replace(appended, lower=Frontier.at(1)))
     assert any("/state/" in k for k in gets)
     assert ws.persist_frontier == Frontier.at(3)

@@ -23,19 +23,24 @@ from shared.write_state import WriteState
 SCHEMA = {"type": "record", "name": "Row", "fields": [{"name": "k", "type": "long"}, {"name": "v", "type": "string"}]}
 
 
-def _state_gets(ctx: ShardContext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The keys of the shard states ``ctx`` GETs from now on."""
+def store_gets(ctx: ShardContext, monkeypatch: pytest.MonkeyPatch, holding: str = "") -> list[str]:
+    """The keys holding ``holding`` that ``ctx``'s store GETs from now on (every key: "")."""
     store = ctx.shard.store
     got: list[str] = []
     real = store.get
 
     def get(key: str, *a: Any, **k: Any) -> bytes:
-        if "/state/" in key:
+        if holding in key:
             got.append(key)
         return real(key, *a, **k)
 
     monkeypatch.setattr(store, "get", get)
     return got
+
+
+def _state_gets(ctx: ShardContext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of the shard states ``ctx`` GETs from now on."""
+    return store_gets(ctx, monkeypatch, "/state/")
 
 
 def test_a_worker_behind_on_a_sinks_steps_reads_the_state_another_worker_told_of(
