@@ -73,7 +73,8 @@ def registry_url() -> Iterator[str]:
 def test_confluent_messages_round_trip_through_an_http_registry(registry_url: str) -> None:
     env = {"SHARDSINK_SCHEMA_REGISTRY_URL": registry_url, "SHARDSINK_WIRE_FORMAT": "confluent"}
     producer = configured_message_codec("frontier_update", env)
-    value = {"shard_id": "x", "sink_id": None, "upper": 3, "desc_token": None, "updated_at_ms": 1}
+    value = {"shard_id": "x", "sink_id": None, "upper": 3, "desc_token": None, "updated_at_ms": 1,
+             "appended": {"lower": 2, "parts": ["x/data/a-w0of1.parquet"], "schema_versions": 1}}
     data = producer.encode(value)
     assert data[:5] == b"\x00\x00\x00\x00\x01"
     assert _Registry.requests[0][:2] == (
