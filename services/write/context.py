@@ -502,10 +502,15 @@ class ShardContext:
         self.follow(ws, state)
         if not persist.less_than(state.upper):
             return
-        keys = state.keys_above(persist)
-        r = self.read_objects(ws, keys, persist.time, state.upper, state)
+        self._absorb_batch(ws, state.keys_above(persist), state.upper, state)
+
+    def _absorb_batch(self, ws: WriteState, keys: list[str], upper: Frontier, state: Any = None) -> None:
+        """Absorb (negated) the rows of ``keys`` from the persist frontier up to ``upper``, and
+        move the persist frontier there (``state``: the head the keys come from, if read)."""
+        persist = ws.persist_frontier
+        r = self.read_objects(ws, keys, persist.time, upper, state)
         ws.absorb_persist_batch(
-            persist, state.upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
+            persist, upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
             error_times=r.error_times, error_diffs=r.error_diffs,
         )
         self.absorb_unwritable(ws, r)
@@ -524,12 +529,7 @@ class ShardContext:
         if (appended.lower != persist or not persist.less_than(upper) or appended.schema_versions != self._nversions
                 or not all(ws.staged(k) or ((tag := part_tag(k)) is not None and tag[1] == n) for k in appended.parts)):
             return False
-        r = self.read_objects(ws, list(appended.parts), persist.time, upper)
-        ws.absorb_persist_batch(
-            persist, upper, r.keys, r.times, r.diffs, error_keys=r.error_keys,
-            error_times=r.error_times, error_diffs=r.error_diffs,
-        )
-        self.absorb_unwritable(ws, r)
+        self._absorb_batch(ws, list(appended.parts), upper)
         return True
 
     def stage(self, ws: WriteState, decision: Stage) -> str:

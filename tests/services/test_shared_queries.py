@@ -147,8 +147,9 @@ def test_twenty_sinks_converge_each_to_its_model_at_every_upper(h: Harness, uniq
     # for the writers to follow without reading the shard's state: the objects of the
     # description before it, each a writer partition's.
     carried = 0
+    described = descriptions(h)
     for s in sinks:
-        ds = sorted(descriptions(h)[s.sid], key=lambda d: d.lower_time)
+        ds = sorted(described[s.sid], key=lambda d: d.lower_time)
         assert ds[0].appended is None  # the first: no append came before it
         for prev, d in zip(ds, ds[1:], strict=False):
             if d.appended is not None:

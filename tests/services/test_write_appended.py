@@ -56,13 +56,13 @@ def _written_step(stack: EmbeddedStack, unique_id: str, tmp_path: Path) -> tuple
     committed = shard.compare_and_append_staged(staged, 0, 3, token=desc.token)
     appended = appended_batch(committed, desc)
     assert appended is not None
-    return job, shard, ctxs, states, appended, staged
+    return job, shard, ctxs, states, appended, staged, desc
 
 
 def test_a_writer_follows_an_announced_append_without_reading_the_shard(
     stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job, shard, ctxs, states, appended, staged = _written_step(stack, unique_id, tmp_path)
+    job, shard, ctxs, states, appended, staged, _ = _written_step(stack, unique_id, tmp_path)
     # what the appender announces: every object of the batch, from the description's lower
     assert appended == AppendedBatch(Frontier.at(0), tuple(p.key for s in staged for p in s.parts), 1)
     # a twin of partition 0 (same buffer, same staged parts) reads back from the shard's state
@@ -86,7 +86,7 @@ def test_a_writer_follows_an_announced_append_without_reading_the_shard(
 def test_an_announcement_that_cannot_stand_for_the_state_leaves_the_read_to_it(
     stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job, shard, ctxs, states, appended, _ = _written_step(stack, unique_id, tmp_path)
+    job, shard, ctxs, states, appended, _, _ = _written_step(stack, unique_id, tmp_path)
     ctx, ws = ctxs[0], states[0]
     before = ws.to_checkpoint()
     for other in (
@@ -109,8 +109,7 @@ def test_the_appender_announces_nothing_when_the_state_is_past_the_description(
 ) -> None:
     """A head that already holds a later append (a retry that found its token applied, after
     another append landed) cannot say what this one added."""
-    job, shard, ctxs, states, appended, staged = _written_step(stack, unique_id, tmp_path)
-    desc = BatchDescription(sink_id=job.sink.sink_id, lower=0, upper=3, epoch=1, token="1:0:x", partition_count=2)
+    job, shard, _, _, _, _, desc = _written_step(stack, unique_id, tmp_path)
     later = shard.compare_and_append([({"k": 99, "v": "y"}, 3, 1)], 3, 4)
     assert appended_batch(later, desc) is None
     # an append without updates adds no object
