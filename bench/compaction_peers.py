@@ -9,7 +9,10 @@ process:
 - ``ours``: what a merge runs (:meth:`shared.shard.Shard.merge_here`): the parts read and
   decoded on 8 threads (:func:`shared.shard_read.read_parts`, strings kept in Parquet's
   dictionaries as the merge reads them), :func:`shared.shard.merge_table`, the result written
-  as parts (:meth:`shared.shard.Shard.write_parts`) to a local folder;
+  as parts (:meth:`shared.shard.Shard.write_parts`) to a local folder; its first merge sets
+  what the controller's first merge sets too (:func:`shared.shard_merge.keep_freed_memory`:
+  glibc keeps the merge's freed memory for the next one), for this process and so for the
+  peers' runs in it as well;
 - ``duckdb``: ``COPY (SELECT <row columns>, _error, greatest(_time, since) AS _time,
   SUM(_diff) AS _diff FROM read_parquet([...]) GROUP BY ALL HAVING SUM(_diff) <> 0) TO ...``
   with ``SET threads`` = the machine's cores;
