@@ -26,6 +26,8 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
 - ``freshness_p50_s`` / ``freshness_p99_s``: per step, from ``advance_to`` returning (the
   progress statement is durable) until the shard's upper reaches it; steps whose upper never
   came within the drain budget are counted in ``steps_without_upper`` and left out;
+  ``freshness_max_s`` is the longest, and ``slowest_steps`` lists the five longest with their
+  sink, frontier, start (seconds into the workload) and stages (as below);
 - ``stage_p50_s`` / ``stage_p99_s`` (the services only): each step's freshness in three parts,
   from the ``descs`` and ``batches`` topics (:class:`StageWatch`): ``mint``, from the progress
   statement until its description was minted (``minted_at_ms``); ``write``, from then until the
@@ -118,6 +120,8 @@ SCHEMA = {
 PARTITIONS = 2
 PERIOD_S = 3.0
 UPDATES_PER_STEP = 50
+#: The steps of longest freshness a run lists (``slowest_steps``: sink, frontier, when, stages).
+SLOWEST_STEPS = 5
 STEP_TIMES = 10
 #: What the services' log says when a query fails (services/runtime/supervisor.py) or a Python
 #: worker Spark started could not reach its JVM.
@@ -810,6 +814,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         wait_until(lambda: all(uppers.upper(f.name) >= f.frontier for f in feeds), ph.drain_s, child)
         fresh: list[float] = []
         stages: dict[str, list[float]] = {"mint": [], "write": [], "report": [], "append": []}
+        slowest: list[dict[str, Any]] = []
         unseen = 0
         for f in feeds:
             for fr, t in f.sent.items():
@@ -821,15 +826,20 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
                     continue
                 fresh.append(reached - t)
                 split = stage_watch.split(f.name, fr) if stage_watch is not None else None
+                step: dict[str, Any] = {"sink": f.name, "frontier": fr, "after_start_s": round(t - w0, 3),
+                                        "freshness_s": round(reached - t, 3)}
                 if split is not None:
                     took_each = (split[0] - t, split[1] - split[0], split[2] - split[1], reached - split[2])
                     for stage, took in zip(stages, took_each, strict=True):
                         stages[stage].append(took)
+                    step["stages_s"] = [round(x, 3) for x in took_each]
+                slowest = sorted([*slowest, step], key=lambda x: -x["freshness_s"])[:SLOWEST_STEPS]
         out["steps"] = len(fresh) + unseen
         out["steps_without_upper"] = unseen
         out["freshness_p50_s"] = pct(fresh, 0.5)
         out["freshness_p99_s"] = pct(fresh, 0.99)
         out["freshness_max_s"] = round(max(fresh), 3) if fresh else None
+        out["slowest_steps"] = slowest
         if stage_watch is not None:
             out["stage_p50_s"] = {k: pct(v, 0.5) for k, v in stages.items()}
             out["stage_p99_s"] = {k: pct(v, 0.99) for k, v in stages.items()}
