@@ -758,6 +758,19 @@ class HoldingStreamReader(KafkaStreamReader):
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "held": self.held, "_admitted": float("-inf")}
 
+    def latest_ends(self) -> Offsets:
+        """The other topics' ends, then the held topic's (two looks, in that order): a record
+        of another topic within a micro-batch's ends (a description) was produced before the
+        held topic's ends were taken, so the held records produced before it are within them
+        too (see :meth:`shared.spark.fleet_source.FleetStreamReader.latest_ends`)."""
+        out: Offsets = {t: {} for t in self.options.topics}
+        for group in ([t for t in self.options.topics if t != self.held],
+                      [t for t in self.options.topics if t == self.held]):
+            tps = [(t, p) for t in group for p in self._parts(t)]
+            for (t, p), e in (self._p().ends(tps) if tps else {}).items():
+                out[t][p] = e
+        return out
+
     def holding(self) -> bool:
         """Whether the query cannot use the held topic now (default: always)."""
         return True

@@ -60,6 +60,39 @@ def test_desired_records_wait_for_a_description_or_a_second(
     r.stop()
 
 
+def test_a_description_comes_with_the_desired_records_produced_before_it_per_sink(
+    stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-sink write source takes the control topic's ends before the desired topic's: a
+    description produced after the broker answered ``ListOffsets`` (and seen by the probe of
+    the control partition that moved) comes with the desired records produced before it."""
+    frozen_monotonic(monkeypatch)
+    desired, control = f"write-d3-{unique_id}", f"write-c3-{unique_id}"
+    create_topic(stack.bootstrap_servers, desired, 2)
+    create_topic(stack.bootstrap_servers, control, 1)
+    r = reader(stack, desired, control)
+    limit: Any = r.getDefaultReadLimit()
+    start = r.latestOffset(r.initialOffset(), limit)
+    produce(stack.bootstrap_servers, control, [(0, b"an earlier description")])
+    probe = r._p()
+    real = probe.watermarks
+    fired: list[bool] = []
+
+    def then_mint(tps: Any, earliest: bool = False) -> Any:
+        got = real(tps, earliest=earliest)
+        if not fired and not earliest:
+            fired.append(True)
+            produce(stack.bootstrap_servers, desired, [(0, b"u0"), (1, b"u1")])
+            produce(stack.bootstrap_servers, control, [(0, b"its description")])
+        return got
+
+    monkeypatch.setattr(probe, "watermarks", then_mint)
+    end = r.latestOffset(start, limit)
+    assert fired
+    assert end[control] == {"0": 2} and end[desired] == {"0": 1, "1": 1}, end
+    r.stop()
+
+
 def test_a_backlog_larger_than_one_micro_batch_is_read_back_to_back(
     stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -163,4 +196,68 @@ def test_the_shared_write_source_admits_a_sinks_records_with_its_description(
     e4 = r.latestOffset(e3, limit)
     assert e4[ka] == {"0": 2, "1": 1}  # a's clock ran out
     assert e4[kb] == e3[kb]  # b's did not: b4 stays held
+    r.stop()
+
+
+def test_a_description_comes_with_the_desired_records_produced_before_it(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A description minted while the shared write source takes its ends (after the broker
+    answered ``ListOffsets``, before the probe of the ``descs`` partition that moved) is in the
+    micro-batch only with its sink's desired records produced before it: the control topics'
+    ends are taken first, the members' after. Taken in one look, the description came and the
+    records stayed held, and the writer waited for the sink's next admission (up to
+    ``ADMIT_ALL_EVERY_S``)."""
+    from types import SimpleNamespace
+
+    import services.write.shared_source as wss
+    from services.runtime.fleet import write_members
+    from shared.catalog import SinkDef
+    from shared.codec import message_codec
+    from shared.frontier import Frontier
+    from shared.sink_messages import BatchDescription
+    from shared.spark.fleet_source import MEMBERS_OPTION
+
+    frozen_monotonic(monkeypatch)
+    descs = f"wr-descs-{unique_id}"
+    create_topic(stack.bootstrap_servers, descs, 1)
+    desired = f"wr-d-{unique_id}"
+    create_topic(stack.bootstrap_servers, desired, 2)
+    sink = SinkDef(f"s-{unique_id}", desired, f"c-{unique_id}", epoch=1)
+    key = f"{sink.sink_id}@1"
+    members = str(tmp_path / "write-shared" / "members.json")
+    write_members(members, {key: sink})
+    cls = type("T", (wss.WriteFleetDataSource,), {"settings": SimpleNamespace(descs_topic=descs), "parallelism": 2})
+    r: wss.WriteFleetReader = stream_reader(stack.bootstrap_servers, (cls.name(), cls, {MEMBERS_OPTION: members}), [descs])
+    limit: Any = r.getDefaultReadLimit()
+    encode = message_codec("batch_description").encode
+    start = r.latestOffset(r.initialOffset(), limit)  # the first look: nothing there
+    # Another sink's description moves the descs partition: the next look probes its end.
+    other = BatchDescription(f"other-{unique_id}", Frontier.at(0), Frontier.at(5), 1, "tok-0", partition_count=2)
+    produce(stack.bootstrap_servers, descs, [(0, encode(other.to_dict()))])
+
+    probe = r._p()
+    real = probe.watermarks
+    fired: list[bool] = []
+
+    def then_mint(tps: Any, earliest: bool = False) -> Any:
+        got = real(tps, earliest=earliest)
+        if not fired and not earliest:
+            fired.append(True)
+            # Right after the broker answered: the sink's step, then its description.
+            produce(stack.bootstrap_servers, desired, [(0, b"u0"), (1, b"u1")])
+            desc = BatchDescription(sink.sink_id, Frontier.at(0), Frontier.at(5), 1, "tok-1", partition_count=2)
+            produce(stack.bootstrap_servers, descs, [(0, encode(desc.to_dict()))])
+        return got
+
+    monkeypatch.setattr(probe, "watermarks", then_mint)
+    end = r.latestOffset(start, limit)
+    assert fired
+    if end[descs] == {"0": 2}:  # the description is in this micro-batch: its records too
+        assert end[key] == {"0": 1, "1": 1}, end
+    else:
+        assert end[descs] == {"0": 1} and end[key] == start[key], end
+    # Either way the next micro-batch holds them together.
+    e2 = r.latestOffset(end, limit)
+    assert e2[descs] == {"0": 2} and e2[key] == {"0": 1, "1": 1}, e2
     r.stop()
