@@ -91,23 +91,18 @@ class FleetStreamReader(KafkaStreamReader):
 
     # -- offsets ----------------------------------------------------------------------------
     def latest_ends(self) -> Offsets:
-        """The control topics' ends, then the members' (two looks, in that order): a control
-        record within a micro-batch's ends (a description, an announcement) was produced
-        before the members' ends were taken, so every desired record produced before it is
-        within them too. In one look the control topics' ends could be the newer: a
-        partition's end is its ``ListOffsets`` answer, or, where that moved, what a fetch
-        after it saw (:meth:`shared.io.kafka.OffsetProbe.ends`), so a description minted
-        between the two came without its sink's last records, and the writer held it until the
-        sink's next admission (``ADMIT_ALL_EVERY_S``, 20 s, for a sink's last step: one step
-        of 2,000 at 100 sinks in some runs)."""
-        control = [(t, p) for t in self.options.topics for p in self._parts(t)]
-        ends = self._p().ends(control) if control else {}
-        out: Offsets = {t: {p: e for (tt, p), e in ends.items() if tt == t} for t in self.options.topics}
+        """The control topics' ends, then the members' (:meth:`ends_in_turn`): a control
+        record within a micro-batch's ends (a description, an announcement) comes with every
+        desired record produced before it. In one look, a description minted between the
+        broker's ``ListOffsets`` answer and the fetch of the moved ``descs`` partition came
+        without its sink's last records, and the writer held it until the sink's next
+        admission (``ADMIT_ALL_EVERY_S``, 20 s, for a sink's last step: one step of 2,000 in
+        some runs at 100 sinks)."""
         members = {k: str(m["desired_topic"]) for k, m in self.members().items()}
-        tps = [(topic, p) for topic in sorted(set(members.values())) for p in self._parts(topic)]
-        ends = self._p().ends(tps) if tps else {}
+        control, desired = self.ends_in_turn(self.options.topics, sorted(set(members.values())))
+        out: Offsets = {t: {p: e for (tt, p), e in control.items() if tt == t} for t in self.options.topics}
         for key, topic in members.items():
-            out[key] = {p: e for (tt, p), e in ends.items() if tt == topic}
+            out[key] = {p: e for (tt, p), e in desired.items() if tt == topic}
         return out
 
     def initialOffset(self) -> dict[str, Any]:

@@ -347,6 +347,18 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             out[t][p] = e
         return out
 
+    def ends_in_turn(self, *groups: Sequence[str]) -> list[dict[tuple[str, int], int]]:
+        """The true ends of the partitions of each group of topics, one look per group, in
+        order: a record within an earlier group's ends was produced before a later group's
+        ends were taken. (In one look, a partition's end is its ``ListOffsets`` answer or,
+        where that moved, what a fetch after it saw (:meth:`shared.io.kafka.OffsetProbe.ends`):
+        one partition's end could be newer than another's.)"""
+        out: list[dict[tuple[str, int], int]] = []
+        for topics in groups:
+            tps = [(t, p) for t in topics for p in self._parts(t)]
+            out.append(self._p().ends(tps) if tps else {})
+        return out
+
     def initialOffset(self) -> dict[str, Any]:
         starting = self.options.starting
         if starting == "latest":
@@ -759,15 +771,13 @@ class HoldingStreamReader(KafkaStreamReader):
         return {**super().__getstate__(), "held": self.held, "_admitted": float("-inf")}
 
     def latest_ends(self) -> Offsets:
-        """The other topics' ends, then the held topic's (two looks, in that order): a record
-        of another topic within a micro-batch's ends (a description) was produced before the
-        held topic's ends were taken, so the held records produced before it are within them
-        too (see :meth:`shared.spark.fleet_source.FleetStreamReader.latest_ends`)."""
+        """The other topics' ends, then the held topic's (:meth:`ends_in_turn`): a record of
+        another topic within a micro-batch's ends (a description) comes with the held records
+        produced before it (see :meth:`shared.spark.fleet_source.FleetStreamReader.latest_ends`)."""
         out: Offsets = {t: {} for t in self.options.topics}
-        for group in ([t for t in self.options.topics if t != self.held],
-                      [t for t in self.options.topics if t == self.held]):
-            tps = [(t, p) for t in group for p in self._parts(t)]
-            for (t, p), e in (self._p().ends(tps) if tps else {}).items():
+        for ends in self.ends_in_turn([t for t in self.options.topics if t != self.held],
+                                      [t for t in self.options.topics if t == self.held]):
+            for (t, p), e in ends.items():
                 out[t][p] = e
         return out
 
