@@ -23,6 +23,24 @@ def reader(stack: EmbeddedStack, desired: str, control: str, **options: str) -> 
     return r
 
 
+def after_list_offsets(monkeypatch: pytest.MonkeyPatch, r: Any, step: Any) -> list[bool]:
+    """Run ``step`` once, right after the broker answers the reader's next ``ListOffsets``
+    (before the probes of the partitions whose answer moved); the list says whether it ran."""
+    probe = r._p()
+    real = probe.watermarks
+    fired: list[bool] = []
+
+    def then_step(tps: Any, earliest: bool = False) -> Any:
+        got = real(tps, earliest=earliest)
+        if not fired and not earliest:
+            fired.append(True)
+            step()
+        return got
+
+    monkeypatch.setattr(probe, "watermarks", then_step)
+    return fired
+
+
 def test_desired_records_wait_for_a_description_or_a_second(
     stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -74,19 +92,12 @@ def test_a_description_comes_with_the_desired_records_produced_before_it_per_sin
     limit: Any = r.getDefaultReadLimit()
     start = r.latestOffset(r.initialOffset(), limit)
     produce(stack.bootstrap_servers, control, [(0, b"an earlier description")])
-    probe = r._p()
-    real = probe.watermarks
-    fired: list[bool] = []
 
-    def then_mint(tps: Any, earliest: bool = False) -> Any:
-        got = real(tps, earliest=earliest)
-        if not fired and not earliest:
-            fired.append(True)
-            produce(stack.bootstrap_servers, desired, [(0, b"u0"), (1, b"u1")])
-            produce(stack.bootstrap_servers, control, [(0, b"its description")])
-        return got
+    def step() -> None:
+        produce(stack.bootstrap_servers, desired, [(0, b"u0"), (1, b"u1")])
+        produce(stack.bootstrap_servers, control, [(0, b"its description")])
 
-    monkeypatch.setattr(probe, "watermarks", then_mint)
+    fired = after_list_offsets(monkeypatch, r, step)
     end = r.latestOffset(start, limit)
     assert fired
     assert end[control] == {"0": 2} and end[desired] == {"0": 1, "1": 1}, end
@@ -236,21 +247,12 @@ def test_a_description_comes_with_the_desired_records_produced_before_it(
     other = BatchDescription(f"other-{unique_id}", Frontier.at(0), Frontier.at(5), 1, "tok-0", partition_count=2)
     produce(stack.bootstrap_servers, descs, [(0, encode(other.to_dict()))])
 
-    probe = r._p()
-    real = probe.watermarks
-    fired: list[bool] = []
+    def step() -> None:  # the sink's step, then its description
+        produce(stack.bootstrap_servers, desired, [(0, b"u0"), (1, b"u1")])
+        desc = BatchDescription(sink.sink_id, Frontier.at(0), Frontier.at(5), 1, "tok-1", partition_count=2)
+        produce(stack.bootstrap_servers, descs, [(0, encode(desc.to_dict()))])
 
-    def then_mint(tps: Any, earliest: bool = False) -> Any:
-        got = real(tps, earliest=earliest)
-        if not fired and not earliest:
-            fired.append(True)
-            # Right after the broker answered: the sink's step, then its description.
-            produce(stack.bootstrap_servers, desired, [(0, b"u0"), (1, b"u1")])
-            desc = BatchDescription(sink.sink_id, Frontier.at(0), Frontier.at(5), 1, "tok-1", partition_count=2)
-            produce(stack.bootstrap_servers, descs, [(0, encode(desc.to_dict()))])
-        return got
-
-    monkeypatch.setattr(probe, "watermarks", then_mint)
+    fired = after_list_offsets(monkeypatch, r, step)
     end = r.latestOffset(start, limit)
     assert fired
     if end[descs] == {"0": 2}:  # the description is in this micro-batch: its records too
