@@ -32,7 +32,7 @@ from shared.errors import (
     ShardDroppedError,
     SinceViolationError,
 )
-from shared.frontier import Frontier
+from shared.frontier import MAX_TIME, Frontier
 from shared.objectstore import ObjectStore
 from shared.shard_format import (
     ERROR,
@@ -192,8 +192,10 @@ def snapshot(
     view = shard.view(state.schema)
     table = read_parts(shard.store, [p.key for b in visible for p in b.parts], view, threads=shard.io_threads)
     # A batch's times are below its upper: when every upper is at most as_of + 1, every
-    # time is at or before as_of and the filter has nothing to drop.
-    if table.num_rows and not all(b.upper.less_equal(Frontier.at(as_of + 1)) for b in visible):
+    # time is at or before as_of and the filter has nothing to drop (at the last time, every
+    # upper is: as_of + 1 is no time, the empty frontier stands for it).
+    after = Frontier.at(as_of + 1) if as_of < MAX_TIME else Frontier.empty()
+    if table.num_rows and not all(b.upper.less_equal(after) for b in visible):
         table = table.filter(pc.less_equal(table[TIME], pa.scalar(as_of, pa.uint64())))
     if in_row_order:
         ordered = consolidate_in_row_order(table, view.row_columns, threads=_threads())

@@ -8,7 +8,7 @@ new description would run a micro-batch for it alone, one per description, as ma
 micro-batches that append (about 40 ms of CPU each on this project's 2-core machines). So
 ``latestOffset`` admits the records of ``descs`` together with news on ``batches`` (a micro-batch
 absorbs its descriptions before its reports), or at least every
-:data:`shared.spark.kafka_source.ADMIT_EVERY_S` (:class:`shared.spark.kafka_source.HoldingStreamReader`): a
+:data:`shared.spark.kafka_source.ADMIT_EVERY_S` (:class:`shared.spark.holding_source.HoldingStreamReader`): a
 description that no report follows (its writers are down, or it only moves the shard's upper
 to its lower) still reaches the appender within that time. Holding only ever delays records.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.spark.kafka_source import HoldingStreamReader, SourceOptions
+from shared.spark.holding_source import HoldingStreamReader
+from shared.spark.kafka_source import SourceOptions
 from shared.spark.kafka_connector import KafkaDataSource
 
 APPEND_SOURCE = "shardsink-append"

@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from services.controller.context import ControllerContext
+from services.controller.context import AnswerUndelivered, ControllerContext
 from services.controller.model import OpenCollection, PendingPeek, Tick, b64, digest, unb64
 from services.controller.spark_jobs import StoredPeek
 from shared.avro_arrow import arrow_to_rows
@@ -195,7 +195,12 @@ class PeeksRoom:
                                         collection_id=peek.collection_id)
                 self.retire_peek(peek, self.ctx.error(err))
             elif is_readable(peek.as_of, st.upper):
-                self.retire_peek(peek)
+                try:
+                    self.retire_peek(peek)
+                except (FencedError, AnswerUndelivered):
+                    raise
+                except Exception as e:  # noqa: BLE001 - this peek is answered as an error; the tick goes on
+                    self.retire_peek(peek, self.ctx.error(e))
             elif time.monotonic() >= peek.deadline:
                 err2 = NotReadableYetError(
                     f"expected as_of < upper {st.upper!r} within the peek timeout of "

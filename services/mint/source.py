@@ -30,7 +30,7 @@ updates and then its statement; the first records of a step would otherwise wake
 for a micro-batch that finds no statement and mints nothing, and the statement would wait for
 that micro-batch to end and for the next trigger (measured: about 1.5 mint micro-batches per
 description during a burst). So the desired topic is always held
-(:class:`shared.spark.kafka_source.HoldingStreamReader`), and the hold file decides only whether a
+(:class:`shared.spark.holding_source.HoldingStreamReader`), and the hold file decides only whether a
 statement admits it: when no description is held, the desired ranges past the start are
 admitted once they hold a statement (their tails read to their starts, each record read once:
 a range read without a statement is remembered, and the next look reads only what came after
@@ -61,7 +61,8 @@ from pyspark.sql.streaming.datasource import ReadLimit
 from shared.errors import ShardsinkError
 from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json
 from shared.spark.fleet_source import HoldFileReader
-from shared.spark.kafka_source import HoldingStreamReader, SourceOptions
+from shared.spark.holding_source import HoldingStreamReader
+from shared.spark.kafka_source import SourceOptions
 from shared.spark.kafka_connector import KafkaDataSource
 
 log = logging.getLogger("shardsink.mint")

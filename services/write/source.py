@@ -29,7 +29,7 @@ and a task per writer partition (about 60 ms of CPU on this project's 2-core mac
 control topic (a description, an upper announced: they are read in the same micro-batch),
 when more of them wait than one micro-batch admits, or at least every
 :data:`shared.spark.kafka_source.ADMIT_EVERY_S`, so that the buffer never lags the topic by more
-than that (:class:`shared.spark.kafka_source.HoldingStreamReader`). Holding only ever delays
+than that (:class:`shared.spark.holding_source.HoldingStreamReader`). Holding only ever delays
 records: the next admitted micro-batch covers every held one.
 
 Same options as ``shardsink-kafka``, plus ``shardsinkDecode`` (JSON: desired topic, row
@@ -51,7 +51,8 @@ from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
 from services.sinkio import ROUTED_DDL, decode_partition
 from services.write.job import OUTPUT_DDL
 from shared.errors import SinkProtocolError
-from shared.spark.kafka_source import HoldingStreamReader, KafkaInputPartition, SourceOptions
+from shared.spark.holding_source import HoldingStreamReader
+from shared.spark.kafka_source import KafkaInputPartition, SourceOptions
 from shared.spark.kafka_connector import KafkaDataSource
 from shared.kafka_offsets import Offsets
 from shared.spark.worker_heap import settle

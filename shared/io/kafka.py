@@ -72,7 +72,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -449,6 +449,13 @@ class OffsetProbe:
                 self._ends[tp] = PartitionEnd(wm, end)
                 out[tp] = end
         return out
+
+    def ends_in_turn(self, *groups: Sequence[tuple[str, int]]) -> list[dict[tuple[str, int], int]]:
+        """:meth:`ends` of each group of partitions, one look per group, in order: a record
+        within an earlier group's ends was produced before a later group's ends were taken. In
+        one look a partition's end is its ``ListOffsets`` answer or, where that moved, what a
+        fetch after it saw: one partition's end could be newer than another's."""
+        return [self.ends(tps) if tps else {} for tps in groups]
 
     def await_records(self, positions: Mapping[tuple[str, int], int], timeout_s: float) -> dict[tuple[str, int], int]:
         """Wait up to ``timeout_s`` for a record at or past ``positions`` (next offsets) on any

@@ -91,7 +91,7 @@ class FleetStreamReader(KafkaStreamReader):
 
     # -- offsets ----------------------------------------------------------------------------
     def latest_ends(self) -> Offsets:
-        """The control topics' ends, then the members' (:meth:`ends_in_turn`): a control
+        """The control topics' ends, then the members' (:meth:`OffsetProbe.ends_in_turn`): a control
         record within a micro-batch's ends (a description, an announcement) comes with every
         desired record produced before it. In one look, a description minted between the
         broker's ``ListOffsets`` answer and the fetch of the moved ``descs`` partition came
@@ -99,7 +99,9 @@ class FleetStreamReader(KafkaStreamReader):
         admission (``ADMIT_ALL_EVERY_S``, 20 s, for a sink's last step: one step of 2,000 in
         some runs at 100 sinks)."""
         members = {k: str(m["desired_topic"]) for k, m in self.members().items()}
-        control, desired = self.ends_in_turn(self.options.topics, sorted(set(members.values())))
+        control, desired = self._p().ends_in_turn(
+            [(t, p) for t in self.options.topics for p in self._parts(t)],
+            [(t, p) for t in sorted(set(members.values())) for p in self._parts(t)])
         out: Offsets = {t: {p: e for (tt, p), e in control.items() if tt == t} for t in self.options.topics}
         for key, topic in members.items():
             out[key] = {p: e for (tt, p), e in desired.items() if tt == topic}

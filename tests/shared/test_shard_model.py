@@ -344,3 +344,20 @@ def test_shard_matches_the_naive_model(stack: EmbeddedStack) -> None:
             print_blob=True,
         ),
     )
+
+
+def test_a_closed_shard_reads_at_the_last_time() -> None:
+    """A snapshot as of the last time (2**64 - 1) of a closed shard holds every update: a
+    peek there once failed on ``as_of + 1``, which is no time, and with it every controller
+    tick that retired the peek."""
+    from shared.frontier import MAX_TIME
+    from shared.objectstore import MemoryObjectStore
+
+    schema = {"type": "record", "name": "r", "fields": [{"name": "id", "type": "long"}]}
+    shard = Shard.create(MemoryObjectStore(), "closed", schema)
+    shard.compare_and_append([({"id": 1}, 3, 1), ({"id": 2}, 4, 1), ({"id": 1}, 5, -1)], 0, 10)
+    shard.compare_and_append([({"id": 3}, MAX_TIME - 1, 2)], 10, None)
+    got = shard.snapshot(MAX_TIME)
+    assert sorted(zip(got["id"].to_pylist(), got["_diff"].to_pylist(), strict=True)) == [(2, 1), (3, 2)]
+    got = shard.snapshot(4)
+    assert sorted(zip(got["id"].to_pylist(), got["_diff"].to_pylist(), strict=True)) == [(1, 1), (2, 1)]
