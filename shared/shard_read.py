@@ -212,12 +212,15 @@ def _threads() -> int:
 
 def updates_between(shard: ShardHandle, state: ShardState, lower: int, upper: Frontier) -> pa.Table:
     """Consolidated updates with ``lower <= time < upper`` as of ``state`` (with _time), in
-    the current row schema."""
-    keys = [p.key for b in state.batches if not b.upper.less_equal(Frontier.at(lower)) for p in b.parts]
+    the current row schema. ``lower`` may be 2**64 (the time after the last one, from a read
+    as of it): nothing is at or after it."""
     # In the newest schema this handle knows (the row columns its callers see), which is
     # never older than the parts of ``state``.
     head = shard.head(max_age_s=1e9)
     view = shard.view(state.schema if state.seqno > head.seqno else head.schema)
+    if lower > MAX_TIME:
+        return view.part_schema.empty_table()
+    keys = [p.key for b in state.batches if not b.upper.less_equal(Frontier.at(lower)) for p in b.parts]
     table = read_parts(shard.store, keys, view, threads=shard.io_threads)
     if table.num_rows:
         mask = pc.greater_equal(table[TIME], pa.scalar(lower, pa.uint64()))
@@ -238,12 +241,14 @@ def listen(
     """Updates at times > ``as_of`` as the upper advances (after a snapshot at ``as_of``): one
     :class:`ListenEvent` per upper seen, polling the head every ``poll_s`` in between. Stops
     when ``stop()`` is true, at ``timeout_s`` without progress, or when the shard is dropped
-    or closed."""
+    or closed; as of the last time (2**64 - 1), at once, with no event."""
     state = shard.refresh()
     if state.dropped:
         raise ShardDroppedError(f"expected a live shard, found {shard.shard_id!r} dropped")
     if not state.since.less_equal(Frontier.at(as_of)):
         raise SinceViolationError(f"expected as_of >= since {state.since!r}, found {as_of}")
+    if as_of == MAX_TIME:
+        return  # no time follows the last one: no update can come after it
     progress = as_of + 1
     last_progress = time.monotonic()
     while True:

@@ -361,3 +361,10 @@ def test_a_closed_shard_reads_at_the_last_time() -> None:
     assert sorted(zip(got["id"].to_pylist(), got["_diff"].to_pylist(), strict=True)) == [(2, 1), (3, 2)]
     got = shard.snapshot(4)
     assert sorted(zip(got["id"].to_pylist(), got["_diff"].to_pylist(), strict=True)) == [(1, 1), (2, 1)]
+    # Nothing can follow the last time: listening there ends at once, on a closed shard as
+    # on an open one (it once failed on as_of + 1).
+    assert list(shard.listen(MAX_TIME, timeout_s=5)) == []
+    open_shard = Shard.create(MemoryObjectStore(), "open", schema)
+    assert list(open_shard.listen(MAX_TIME, timeout_s=5)) == []
+    # A subscribe's first step after a snapshot there reads from the time after it: nothing.
+    assert shard.updates_between(shard.refresh(), MAX_TIME + 1, Frontier.empty()).num_rows == 0
