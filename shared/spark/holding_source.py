@@ -1,7 +1,7 @@
 """Admission control for a Kafka source whose query holds one topic back
 (:class:`HoldingStreamReader`): the write source per sink holds the desired topic between
-descriptions, mint's and append's their own. Apart from :mod:`shared.spark.kafka_source`,
-whose reader it extends."""
+descriptions, mint's and append's their own. It extends the reader of
+:mod:`shared.spark.kafka_source`."""
 
 from __future__ import annotations
 
