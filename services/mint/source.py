@@ -241,6 +241,14 @@ def mint_source(desired_topic: str, hold_file: str | None) -> tuple[str, type[Mi
 #: makes a micro-batch this often (its offsets' :data:`TICK_KEY` counts them).
 HELD_TICK_S = 1.0
 TICK_KEY = ANNOTATION_PREFIX + "tick"
+#: A shared mint micro-batch that admits the ranges of at least this many members is a busy
+#: fleet's: the next one starts no sooner than :data:`BUSY_SPACING_S` after it was planned.
+BUSY_MEMBERS = 4
+#: At 100 sinks mint ran two to three times as many micro-batches as write and append, a
+#: fixed cost each (planning, logs, the driver's step); 300 ms between them while busy lowered
+#: the services' CPU in every pair of runs measured (BENCHMARKS.md, "twenty-fifth session"),
+#: and a sink alone (one member a micro-batch) never waits for it.
+BUSY_SPACING_S = 0.3
 
 
 class MintFleetReader(HoldFileReader):
@@ -253,14 +261,23 @@ class MintFleetReader(HoldFileReader):
     (:func:`services.mint.progress.latest_progress_records`), so the driver coordinates and reads no
     desired record. While the driver holds
     sinks back and nothing else comes, it makes a micro-batch every :data:`HELD_TICK_S` (the
-    driver reads a waiting sink's shard in case its upper's announcement was lost)."""
+    driver reads a waiting sink's shard in case its upper's announcement was lost). After a
+    micro-batch that admitted :data:`BUSY_MEMBERS` members or more, the next plan waits until
+    :data:`BUSY_SPACING_S` after it: a busy fleet's news gathers into fewer micro-batches."""
 
     _ticked: float = 0.0
+    #: When the last busy micro-batch was planned (None: the last was not busy).
+    _busy_at: float | None = None
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         from services.mint.progress import latest_progress_records
         from services.sinkio import desired_prefixes
 
+        if self._busy_at is not None:
+            wait = self._busy_at + BUSY_SPACING_S - time.monotonic()
+            self._busy_at = None
+            if wait > 0:
+                time.sleep(wait)
         end = super().latestOffset(start, limit)
         s, e = offsets_from_json(start), offsets_from_json(end)
         members = self.members()
@@ -281,6 +298,8 @@ class MintFleetReader(HoldFileReader):
             # Nothing new: the start as it is (its annotation too), so no micro-batch is made.
             return dict(start)
         self._ticked = time.monotonic()
+        if len({k for k, _, _, _ in ranges}) >= BUSY_MEMBERS:
+            self._busy_at = self._ticked
         tails = latest_progress_records(self.options.settings, [(str(members[k]["desired_topic"]), p, a, b) for k, p, a, b in ranges],
                                         desired_prefixes()[0])
         progress: dict[str, dict[str, Any]] = {}

@@ -294,3 +294,55 @@ def test_the_shared_mint_source_finds_each_members_latest_statement_while_planni
     assert r.latestOffset(ticked, limit)[ms.TICK_KEY] == 2
     r.stop()
     close_pooled_consumers()
+
+
+def test_the_shared_mint_source_spaces_a_busy_fleets_micro_batches(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a micro-batch that admitted BUSY_MEMBERS members or more, the shared mint source
+    plans the next one no sooner than BUSY_SPACING_S after it (it waits, then looks); after
+    one that admitted fewer (a sink alone), it looks at once."""
+    import time
+    import types
+
+    from services.runtime.fleet import write_members
+    from shared.catalog import SinkDef
+    from shared.spark.fleet_source import MEMBERS_OPTION
+
+    frontiers = f"mint-bf-{unique_id}"
+    create_topic(stack.bootstrap_servers, frontiers, 1)
+    sinks = {}
+    for i in range(ms.BUSY_MEMBERS):
+        d = f"mint-bd{i}-{unique_id}"
+        create_topic(stack.bootstrap_servers, d, 1)
+        sinks[f"b{i}-{unique_id}@1"] = SinkDef(f"b{i}-{unique_id}", d, f"bc{i}-{unique_id}", epoch=1)
+    members = str(tmp_path / "mint-shared" / "members.json")
+    write_members(members, sinks)
+    source = (ms.MintFleetDataSource.name(), ms.MintFleetDataSource, {MEMBERS_OPTION: members})
+    r: ms.MintFleetReader = stream_reader(stack.bootstrap_servers, source, [frontiers])
+    limit: Any = r.getDefaultReadLimit()
+    clock = frozen_monotonic(monkeypatch)
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock[0] += s
+
+    # The source's own waits only (the Kafka reads under it keep the real sleep).
+    monkeypatch.setattr(ms, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    keys = sorted(sinks)
+    start = r.initialOffset()
+    for k in keys:
+        produce(stack.bootstrap_servers, sinks[k].desired_topic, [(0, progress_statement(5))])
+    busy = r.latestOffset(start, limit)
+    assert all(busy[k] == {"0": 1} for k in keys) and not slept  # every member admitted at once
+    clock[0] += 0.1  # the micro-batch ran for 100 ms
+    produce(stack.bootstrap_servers, sinks[keys[0]].desired_topic, [(0, progress_statement(8))])
+    alone = r.latestOffset(busy, limit)
+    assert slept == [pytest.approx(ms.BUSY_SPACING_S - 0.1)]  # waited out the spacing, then looked
+    assert alone[keys[0]] == {"0": 2} and all(alone[k] == {"0": 1} for k in keys[1:])
+    produce(stack.bootstrap_servers, sinks[keys[1]].desired_topic, [(0, progress_statement(9))])
+    after_alone = r.latestOffset(alone, limit)
+    assert len(slept) == 1 and after_alone[keys[1]] == {"0": 2}  # one member admitted: no wait
+    r.stop()
+    close_pooled_consumers()
