@@ -99,9 +99,7 @@ class FleetStreamReader(KafkaStreamReader):
         admission (``ADMIT_ALL_EVERY_S``, 20 s, for a sink's last step: one step of 2,000 in
         some runs at 100 sinks)."""
         members = {k: str(m["desired_topic"]) for k, m in self.members().items()}
-        control, desired = self._p().ends_in_turn(
-            [(t, p) for t in self.options.topics for p in self._parts(t)],
-            [(t, p) for t in sorted(set(members.values())) for p in self._parts(t)])
+        control, desired = self._p().ends_in_turn(self._tps(self.options.topics), self._tps(sorted(set(members.values()))))
         out: Offsets = {t: {p: e for (tt, p), e in control.items() if tt == t} for t in self.options.topics}
         for key, topic in members.items():
             out[key] = {p: e for (tt, p), e in desired.items() if tt == topic}
@@ -198,7 +196,7 @@ class FleetStreamReader(KafkaStreamReader):
     def member_lows(self, keys: Sequence[str]) -> dict[str, dict[int, int]]:
         """The first offset still on each member's topic partitions (retention)."""
         members = {k: str(m["desired_topic"]) for k, m in self.members().items() if k in keys}
-        tps = [(t, p) for t in sorted(set(members.values())) for p in self._parts(t)]
+        tps = self._tps(sorted(set(members.values())))
         wm = self._p().watermarks(tps, earliest=True) if tps else {}
         out: dict[str, dict[int, int]] = {}
         for k, t in members.items():

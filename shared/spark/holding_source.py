@@ -40,8 +40,9 @@ class HoldingStreamReader(KafkaStreamReader):
         """The other topics' ends, then the held topic's (:meth:`OffsetProbe.ends_in_turn`): a
         description within the ends comes with the held records produced before it."""
         out: Offsets = {t: {} for t in self.options.topics}
-        held = [(t, p) for t in self.options.topics if t == self.held for p in self._parts(t)]
-        for ends in self._p().ends_in_turn([(t, p) for t in out if t != self.held for p in self._parts(t)], held):
+        others = [t for t in self.options.topics if t != self.held]
+        held = [t for t in self.options.topics if t == self.held]
+        for ends in self._p().ends_in_turn(self._tps(others), self._tps(held)):
             for (t, p), e in ends.items():
                 out[t][p] = e
         return out

@@ -66,7 +66,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,9 +336,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._partitions[topic] = (now, parts)
         return parts
 
+    def _tps(self, topics: Iterable[str]) -> list[tuple[str, int]]:
+        """Every partition of ``topics`` (:meth:`_parts`), as ``(topic, partition)``."""
+        return [(t, p) for t in topics for p in self._parts(t)]
+
     def latest_ends(self) -> Offsets:
         """The true end of every partition of every topic."""
-        tps = [(t, p) for t in self.options.topics for p in self._parts(t)]
+        tps = self._tps(self.options.topics)
         ends = self._p().ends(tps)
         out: Offsets = {t: {} for t in self.options.topics}
         for (t, p), e in ends.items():
@@ -390,7 +394,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         topics = self.options.history_gap_topics
         if not topics:
             return out
-        tps = [(t, p) for t in topics for p in self._parts(t)]
+        tps = self._tps(topics)
         for (t, p), o in self._p().watermarks(tps, earliest=True).items():
             out.setdefault(t, {})[p] = o
         path = self.options.simulated_low_watermarks_file
