@@ -36,7 +36,7 @@ from services.sinkio import KIND_CONTROL, ControlProducer, collect_decoded, deco
 from shared.append_state import AppendState
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
-from shared.side_by_side import side_by_side
+from shared.side_by_side import SideBySide
 
 log = logging.getLogger("shardsink.append")
 
@@ -77,6 +77,7 @@ class SharedAppend:
     batch_start: dict[str, dict[int, int]] | None = None
 
     _lock: KeyLocks = field(default_factory=KeyLocks)
+    _threads: SideBySide = field(default_factory=lambda: SideBySide(PARALLEL_SINKS, "append-sinks"))
 
     def sync(self, members: dict[str, Any]) -> None:
         """Make the parts of the members that have none yet (called by the fleet when they
@@ -182,7 +183,7 @@ class SharedAppend:
             return None
 
         # The sinks' appends are S3 round trips: side by side on a few threads.
-        outcomes = side_by_side(run, work, PARALLEL_SINKS)
+        outcomes = self._threads.map(run, work)
         # The announcements of every sink go out on one flush (a flush waits for the shared
         # producer's every message anyway).
         self.producer.flush()

@@ -44,7 +44,7 @@ from services.sinkio import RAW_SCHEMA, ControlProducer, decode_on_driver, plann
 from shared.catalog import SinkDef
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
-from shared.side_by_side import side_by_side
+from shared.side_by_side import SideBySide
 from shared.sink_messages import AppendedBatch
 
 log = logging.getLogger("shardsink.mint")
@@ -64,6 +64,7 @@ class SharedMint:
     failing: dict[str, str] = field(default_factory=dict)
 
     _lock: KeyLocks = field(default_factory=KeyLocks)
+    _threads: SideBySide = field(default_factory=lambda: SideBySide(PARALLEL_SINKS, "mint-sinks"))
 
     def sync(self, members: dict[str, Any]) -> None:
         """Make the parts of the members that have none yet (called by the fleet when they
@@ -225,7 +226,7 @@ class SharedMint:
             return None
 
         # The sinks' steps are mostly S3 reads of their shards: side by side on a few threads.
-        outcomes = side_by_side(run, work, PARALLEL_SINKS)
+        outcomes = self._threads.map(run, work)
         # The micro-batch's descriptions are durable before its state is saved (one flush for
         # every sink: a flush waits for the shared producer's every message anyway).
         self.producer.flush()

@@ -25,3 +25,24 @@ def test_results_keep_the_order_and_waiting_calls_overlap() -> None:
     assert side_by_side(call, list(range(10)), 4) == [x * x for x in range(10)]
     assert most[0] == 4
     assert side_by_side(call, [], 4) == [] and side_by_side(lambda x: x + 1, [1], 4) == [2]
+
+
+def test_a_kept_pool_orders_results_overlaps_calls_and_reuses_its_threads() -> None:
+    from shared.side_by_side import SideBySide
+
+    pool = SideBySide(3, "test-side")
+    gate = threading.Barrier(3, timeout=30)
+    names: list[set[str]] = []
+
+    def call(x: int) -> int:
+        if x < 3:
+            gate.wait()  # the first three meet: they run at the same time or the wait times out
+        names[-1].add(threading.current_thread().name)
+        return x + 100
+
+    for _ in range(3):
+        names.append(set())
+        assert pool.map(call, list(range(8))) == [x + 100 for x in range(8)]
+    assert len(names[0]) == 3 and all(n.startswith("test-side") for n in names[0])
+    assert names[1] == names[2] == names[0]  # the same threads, kept between calls
+    assert pool.map(lambda x: threading.current_thread().name, ["one"]) == [threading.current_thread().name]
