@@ -554,9 +554,24 @@ class WriteState:
             raise SinkProtocolError(f"expected write state version 1, found {meta.get('v')!r}")
         ws = WriteState(str(meta["sink_id"]), int(meta["partition"]), int(meta["partition_count"]))
         which = table["which"]
+        # The parts are written one after the other (``to_checkpoint``): each is a slice,
+        # found from the dictionary's indices. A table in another order or of the earlier
+        # format (``which`` a string per row) is filtered.
+        spans: dict[str, tuple[int, int]] | None = None
+        if pa.types.is_dictionary(which.type):
+            arr = which.combine_chunks()  # a batch per buffer, one dictionary
+            idx, names = arr.indices.to_numpy(zero_copy_only=False), arr.dictionary.to_pylist()
+            if len(set(names)) == len(names) and bool(np.all(idx[1:] >= idx[:-1])):
+                codes = np.arange(len(names))
+                lo, hi = np.searchsorted(idx, codes, "left"), np.searchsorted(idx, codes, "right")
+                spans = {n: (int(a), int(b)) for n, a, b in zip(names, lo, hi, strict=True)}
 
         def part(name: str) -> ConsolidatedUpdates:
-            t = table.filter(pc.equal(which, name))
+            if spans is not None:
+                a, b = spans.get(name, (0, 0))
+                t = table.slice(a, b - a)
+            else:
+                t = table.filter(pc.equal(which, name))
             if t.num_rows == 0:
                 return ConsolidatedUpdates.empty()
             return ConsolidatedUpdates(
