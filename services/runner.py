@@ -234,5 +234,8 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
         wait_forever(stop)
     finally:
         services.stop()
-        spark.stop()
+        try:
+            spark.stop()
+        except Exception as e:  # noqa: BLE001 - a SIGTERM to the whole process group ends the JVM first
+            log.warning("Spark's JVM had already exited: %s", e)
     return 0

@@ -4,7 +4,7 @@ Python workers) in the middle of a workload and started again. Every sink then e
 model at every upper seen, with a contiguous chain of uppers (no update lost or doubled), and
 the write query resumed from its checkpoint: no micro-batch after the restart starts any sink
 below the offsets of the last micro-batch committed before the kill, and the offsets log goes
-on instead of starting over.
+on instead of starting over. A SIGTERM to the process group then stops it with exit code 0.
 """
 
 from __future__ import annotations
@@ -67,6 +67,14 @@ class AllInOne:
         except ProcessLookupError:
             pass
         p.wait(timeout=30)
+
+    def terminate(self) -> int:
+        """SIGTERM to the whole process group (driver, JVM and Python workers at once, as
+        ``kill -- -<pgid>`` or a service manager's control group stop sends it): the exit code."""
+        p, self.proc = self.proc, None
+        assert p is not None
+        os.killpg(p.pid, signal.SIGTERM)
+        return p.wait(timeout=120)
 
     def tail(self) -> str:
         return "\n".join(self.logs[-1].read_text(errors="replace").splitlines()[-30:]) if self.logs else ""
@@ -165,3 +173,7 @@ def test_ten_sinks_survive_a_sigkill_of_the_shared_services_and_resume_from_the_
         for key, resumed in resume_from.items():
             low = {p: o for p, o in start.get(key, {}).items() if o < resumed.get(p, 0)}
             assert not low, f"expected batch {b} to start {key} at or above {resumed}, found {start.get(key)}"
+
+    # Stopped by a SIGTERM to its process group, the JVM ends with the driver: the services
+    # still stop their queries and exit 0.
+    assert proc.terminate() == 0, proc.tail()
