@@ -106,13 +106,20 @@ class ShardContext:
 
     def __init__(self, job: WriteJob) -> None:
         self.job = job
-        self.shard = Shard.open(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
+        self.shard = Shard(job.settings.store(), job.sink.collection_id, grace_ms=job.settings.grace_ms)
         self.states = WriterStateFiles(job.checkpoint, job.settings.s3)
         s3 = job.settings.s3
         #: names the shard among the heads the write tasks on this host tell each other
         self.heads_key = f"{s3.endpoint}|{s3.bucket}|{s3.prefix}|{self.shard.prefix}"
         self._columns_of: dict[bytes, Any] = {}
-        self._take(self.shard.head(max_age_s=1e9))
+        # A sink's units land on any of the executor's Python workers, so each worker makes the
+        # sink's context once, all of them at a restart: the search for the head starts at the
+        # state another worker read (two GETs where the shard's hint costs three or more).
+        told = heads.heard(self.heads_key)
+        state = self.shard.refresh(start_at=told)
+        if state.seqno != told:
+            heads.tell(self.heads_key, state.seqno)
+        self._take(state)
 
     def _take(self, state: Any) -> None:
         """Codecs of ``state``'s current schema, with its earlier versions as writer schemas."""

@@ -105,3 +105,41 @@ def test_a_told_seqno_the_shard_does_not_hold_is_replaced_by_the_one_found(
     ctx.read_back(ws, at_least=Frontier.at(1))
     assert ws.persist_frontier == Frontier.at(1)
     assert heads.heard(ctx.heads_key) == shard.refresh().seqno
+
+
+def test_a_workers_first_context_of_a_sink_starts_at_the_state_another_worker_told_of(
+    stack: EmbeddedStack, unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each Python worker makes a sink's context once (every one of them after a restart): with
+    the seqno another worker told, it finds the head in fewer requests than from the shard's
+    hint, and reads the same head."""
+    from shared.io.s3 import S3ObjectStore
+
+    settings = ServiceSettings.from_env_and_args(None, stack.env())
+    cid = f"heads-{unique_id}"
+    shard = Shard.create(settings.store(), cid, SCHEMA)
+    job = WriteJob(SinkDef(cid, f"desired-{cid}", cid), settings, 2, json.dumps(SCHEMA), "descs", str(tmp_path / "ckpt"))
+    for t in range(6):
+        shard.compare_and_append([({"k": t, "v": "x"}, t, 1)], t, t + 1)
+    head = shard.refresh()
+    first = ShardContext(job)
+    assert first.shard.cached() is not None and first.shard.cached().seqno == head.seqno
+    assert heads.heard(first.heads_key) == head.seqno  # told to the other workers
+
+    requests: list[str] = []
+    for name in ("get", "exists", "list"):
+        real = getattr(S3ObjectStore, name)
+
+        def counted(self: Any, key: str, *a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            if shard.prefix in key:
+                requests.append(f"{_name} {key}")
+            return _real(self, key, *a, **k)
+
+        monkeypatch.setattr(S3ObjectStore, name, counted)
+    told = ShardContext(job)
+    with_told, requests[:] = list(requests), []
+    monkeypatch.setattr(heads, "heard", lambda key: None)
+    untold = ShardContext(job)
+    assert told.shard.cached().seqno == untold.shard.cached().seqno == head.seqno  # type: ignore[union-attr]
+    assert told.schema == untold.schema == SCHEMA
+    assert len(with_told) == 2 and len(requests) > len(with_told), (with_told, requests)
