@@ -28,6 +28,10 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
   came within the drain budget are counted in ``steps_without_upper`` and left out;
   ``freshness_max_s`` is the longest, and ``slowest_steps`` lists the five longest with their
   sink, frontier, start (seconds into the workload) and stages (as below);
+  ``freshness_by_window`` gives, per :data:`WINDOW_S` of the workload (by when each step was
+  produced), its steps' ``[start s, steps, p50, p99]``: a first window slower than the rest is
+  the services warming up (every Python worker making every sink's context, the JIT), a
+  window in the middle the machine;
 - ``stage_p50_s`` / ``stage_p99_s`` (the services only): each step's freshness in three parts,
   from the ``descs`` and ``batches`` topics (:class:`StageWatch`): ``mint``, from the progress
   statement until its description was minted (``minted_at_ms``); ``write``, from then until the
@@ -120,6 +124,8 @@ SCHEMA = {
 PARTITIONS = 2
 PERIOD_S = 3.0
 UPDATES_PER_STEP = 50
+#: The workload's windows of ``freshness_by_window`` (seconds).
+WINDOW_S = 10.0
 #: The steps of longest freshness a run lists (``slowest_steps``: sink, frontier, when, stages).
 SLOWEST_STEPS = 5
 STEP_TIMES = 10
@@ -816,6 +822,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         stages: dict[str, list[float]] = {"mint": [], "write": [], "report": [], "append": []}
         slowest: list[dict[str, Any]] = []
         unseen = 0
+        by_window: dict[int, list[float]] = {}
         for f in feeds:
             for fr, t in f.sent.items():
                 if fr == first[f.name]:
@@ -825,6 +832,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
                     unseen += 1
                     continue
                 fresh.append(reached - t)
+                by_window.setdefault(int((t - w0) // WINDOW_S), []).append(reached - t)
                 split = stage_watch.split(f.name, fr) if stage_watch is not None else None
                 step: dict[str, Any] = {"sink": f.name, "frontier": fr, "after_start_s": round(t - w0, 3),
                                         "freshness_s": round(reached - t, 3)}
@@ -840,6 +848,8 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         out["freshness_p99_s"] = pct(fresh, 0.99)
         out["freshness_max_s"] = round(max(fresh), 3) if fresh else None
         out["slowest_steps"] = slowest
+        out["freshness_by_window"] = [[round(w * WINDOW_S), len(xs), pct(xs, 0.5), pct(xs, 0.99)]
+                                      for w, xs in sorted(by_window.items())]
         if stage_watch is not None:
             out["stage_p50_s"] = {k: pct(v, 0.5) for k, v in stages.items()}
             out["stage_p99_s"] = {k: pct(v, 0.99) for k, v in stages.items()}
