@@ -237,5 +237,5 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
         try:
             spark.stop()
         except Exception as e:  # noqa: BLE001 - a SIGTERM to the whole process group ends the JVM first
-            log.warning("Spark's JVM had already exited: %s", e)
+            log.warning("Spark did not stop cleanly (had its JVM already exited?): %s", e)
     return 0

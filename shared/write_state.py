@@ -559,7 +559,7 @@ class WriteState:
         # format (``which`` a string per row) is filtered.
         spans: dict[str, tuple[int, int]] | None = None
         if pa.types.is_dictionary(which.type):
-            arr = which.combine_chunks()  # a batch per buffer, one dictionary
+            arr = which.combine_chunks()  # a batch per buffer; their dictionaries unified
             idx, names = arr.indices.to_numpy(zero_copy_only=False), arr.dictionary.to_pylist()
             if len(set(names)) == len(names) and bool(np.all(idx[1:] >= idx[:-1])):
                 codes = np.arange(len(names))
