@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -32,11 +32,15 @@ class SideBySide:
         self._lock = threading.Lock()
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``fn`` of each item, in order (one item: on the caller's thread)."""
+        """``fn`` of each item, in order (one item: on the caller's thread). As with
+        :func:`side_by_side`, every call has ended when it returns or raises (the first
+        exception in the items' order): none goes on behind the caller's back."""
         if len(items) <= 1:
             return [fn(x) for x in items]
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=self.name)
             pool = self._pool
-        return list(pool.map(fn, items))
+        futures = [pool.submit(fn, x) for x in items]
+        wait(futures)
+        return [f.result() for f in futures]

@@ -115,11 +115,17 @@ class ShardContext:
         # A sink's units land on any of the executor's Python workers, so each worker makes the
         # sink's context once, all of them at a restart: the search for the head starts at the
         # state another worker read (two GETs where the shard's hint costs three or more).
+        self._take(self._refresh())
+
+    def _refresh(self, enough: Any = None) -> Any:
+        """The shard's head (with ``enough``: the first state that passes it), searched from the
+        newest state another write task on this host read (:mod:`services.write.heads`), which
+        it then tells in turn."""
         told = heads.heard(self.heads_key)
-        state = self.shard.refresh(start_at=told)
+        state = self.shard.refresh(enough=enough, start_at=told)
         if state.seqno != told:
             heads.tell(self.heads_key, state.seqno)
-        self._take(state)
+        return state
 
     def _take(self, state: Any) -> None:
         """Codecs of ``state``'s current schema, with its earlier versions as writer schemas."""
@@ -501,11 +507,7 @@ class ShardContext:
         if state is None or (at_least is not None and state.upper.less_than(at_least)):
             # With a lower to reach, the first state that reached it serves (no probe beyond);
             # the search starts at the newest state another write task on this host read.
-            told = heads.heard(self.heads_key)
-            state = self.shard.refresh(enough=None if at_least is None else (lambda st: not st.upper.less_than(at_least)),
-                                       start_at=told)
-            if state.seqno != told:
-                heads.tell(self.heads_key, state.seqno)
+            state = self._refresh(None if at_least is None else (lambda st: not st.upper.less_than(at_least)))
         self.follow(ws, state)
         if not persist.less_than(state.upper):
             return

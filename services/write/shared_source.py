@@ -40,7 +40,6 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -52,7 +51,14 @@ from services.write.job import WriteJob
 from services.write.source import _batch_id
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
-from shared.kafka_offsets import ANNOTATION_PREFIX, Offsets, offsets_from_json, offsets_to_json, pending
+from shared.kafka_offsets import (
+    ANNOTATION_PREFIX,
+    Offsets,
+    offsets_from_json,
+    offsets_to_json,
+    pending,
+)
+from shared.side_by_side import SideBySide
 from shared.spark.fleet_source import FleetStreamReader, SinkRange, members_option
 from shared.spark.kafka_connector import KafkaDataSource
 from shared.spark.kafka_source import KafkaInputPartition, SourceOptions, read_range
@@ -94,6 +100,8 @@ ADMIT_ALL_EVERY_S = 20.0
 PREFETCH_RECORDS = 200_000
 #: Threads a task runs its sinks' units on (their time is mostly S3 and Kafka round trips).
 UNIT_THREADS = 4
+#: Those threads, kept by the Python worker from one task to the next.
+_UNIT_POOL = SideBySide(UNIT_THREADS, "write-units")
 _RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
                          ("partition", pa.int32()), ("offset", pa.int64())])
 
@@ -341,11 +349,7 @@ class WriteFleetReader(FleetStreamReader):
             groups: dict[str, list[WriteUnit]] = {}
             for u in wave:
                 groups.setdefault(u.key, []).append(u)
-            if len(groups) > 1:
-                with ThreadPoolExecutor(max_workers=min(UNIT_THREADS, len(groups))) as ex:
-                    results = list(ex.map(lambda g: run(g, inputs), groups.values()))
-            else:
-                results = [run(g, inputs) for g in groups.values()]
+            results = _UNIT_POOL.map(lambda g: run(g, inputs), list(groups.values()))
             out.extend(b for r in results for b in r)
         return iter(out)
 

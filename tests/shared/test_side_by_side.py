@@ -46,3 +46,24 @@ def test_a_kept_pool_orders_results_overlaps_calls_and_reuses_its_threads() -> N
     assert len(names[0]) == 3 and all(n.startswith("test-side") for n in names[0])
     assert names[1] == names[2] == names[0]  # the same threads, kept between calls
     assert pool.map(lambda x: threading.current_thread().name, ["one"]) == [threading.current_thread().name]
+
+
+def test_a_kept_pool_raises_only_after_every_call_ended() -> None:
+    import time
+
+    import pytest
+
+    from shared.side_by_side import SideBySide
+
+    ended: list[int] = []
+
+    def call(x: int) -> int:
+        if x == 0:
+            raise ValueError("first")
+        time.sleep(0.2)
+        ended.append(x)
+        return x
+
+    with pytest.raises(ValueError, match="first"):
+        SideBySide(3, "test-raise").map(call, [0, 1, 2])
+    assert sorted(ended) == [1, 2]  # the others ended before the error reached the caller
