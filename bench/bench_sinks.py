@@ -23,6 +23,13 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
   server's counts, :class:`shared.devstack.moto_server.RequestCounts`);
 - ``idle_cpu_share``: the same over ``--idle-s`` (20 s) with no input, after the workload has
   drained and a settling pause;
+- ``busy_cpu_by_process`` / ``idle_cpu_by_process``: the whole machine's share over the same
+  windows, by who used it: ``services`` (or ``peer``, the tree above), ``broker`` (the embedded
+  Kafka broker), ``s3_server`` and ``load`` (this benchmark's own process: the producers and the
+  watchers), and ``other`` (the rest of the machine: CPU time the kernel counted, less those).
+  On two cores the services share the machine with the stack and the load: a run whose
+  ``busy_cpu_by_process`` adds up to nearly 1.0 had no core to spare, and its freshness is
+  the queueing of a full machine;
 - ``freshness_p50_s`` / ``freshness_p99_s``: per step, from ``advance_to`` returning (the
   progress statement is durable) until the shard's upper reaches it; steps whose upper never
   came within the drain budget are counted in ``steps_without_upper`` and left out;
@@ -728,9 +735,44 @@ class Phases:
     budget_s: float | None  # None: 120 s + 3 s per sink
 
 
+def machine_cpu(stack_cpu: Callable[[], dict[str, float]] | None) -> dict[str, float]:
+    """CPU seconds so far: the stack's servers (``broker``, ``s3_server``), this process
+    (``load``) and the whole machine (``all``, from ``/proc/stat``; absent elsewhere)."""
+    out: dict[str, float] = {}
+    names = {"kafka": "broker", "s3": "s3_server"}
+    for role, s in (stack_cpu() if stack_cpu is not None else {}).items():
+        out[names.get(role, role)] = s
+    t = os.times()
+    out["load"] = t.user + t.system
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        # user, nice, system, (idle, iowait), irq, softirq, steal
+        out["all"] = (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], who: str, tree_cpu_s: float,
+              wall_s: float, cores: int) -> dict[str, float]:
+    """The machine's share of CPU (of ``wall_s`` x ``cores``) between two :func:`machine_cpu`
+    readings, by who used it (``who``: the services' or the peer's tree, ``tree_cpu_s``), and
+    ``other``: what the machine used beyond those."""
+    cap = wall_s * cores
+    out = {who: round(tree_cpu_s / cap, 3)}
+    for k in ("broker", "s3_server", "load"):
+        if k in before and k in after:
+            out[k] = round((after[k] - before[k]) / cap, 3)
+    if "all" in before and "all" in after:
+        out["other"] = round(max(0.0, (after["all"] - before["all"]) / cap - sum(out.values())), 3)
+    return out
+
+
 def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | None, work: Path, run: str,
             ph: Phases, stage_watch: StageWatch | None = None,
-            s3_requests: Callable[[], dict[str, int]] | None = None) -> dict[str, Any]:
+            s3_requests: Callable[[], dict[str, int]] | None = None,
+            stack_cpu: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
     """One N's figures: its sinks served by the services, their uppers seen by ``watch`` (and
     each step's freshness split by ``stage_watch``); with no watch, the delta-rs peer serves
     the N topics instead."""
@@ -796,6 +838,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         log(f"{at}: workload: {periods} steps of {UPDATES_PER_STEP} updates per sink, one every {PERIOD_S:.0f}s")
         out["load_busy"] = load()
         r0 = s3_requests() if s3_requests is not None else None
+        c0 = machine_cpu(stack_cpu)
         u0, w0 = tree_usage(child.pid), time.monotonic()
         sampler.start()
         with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
@@ -807,6 +850,7 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
                     pool.submit(f.step, uppers)
             time.sleep(max(0.0, w0 + periods * PERIOD_S - time.monotonic()))
         u1, w1 = tree_usage(child.pid), time.monotonic()
+        out["busy_cpu_by_process"] = cpu_split(c0, machine_cpu(stack_cpu), who, u1.cpu_s - u0.cpu_s, w1 - w0, cores)
         if r0 is not None and s3_requests is not None:
             out.update(requests_per_step(r0, s3_requests(), periods * n))
         stop_sampling.set()
@@ -860,10 +904,12 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         # -- idle -----------------------------------------------------------------------------------------
         time.sleep(ph.settle_s)
         out["load_idle"] = load()
+        c0 = machine_cpu(stack_cpu)
         u0, w0 = tree_usage(child.pid), time.monotonic()
         time.sleep(ph.idle_s)
         u1, w1 = tree_usage(child.pid), time.monotonic()
         out["idle_cpu_share"] = round((u1.cpu_s - u0.cpu_s) / ((w1 - w0) * cores), 3)
+        out["idle_cpu_by_process"] = cpu_split(c0, machine_cpu(stack_cpu), who, u1.cpu_s - u0.cpu_s, w1 - w0, cores)
         out["processes"] = u1.processes
         out["zombie_processes"] = u1.zombies
         out["rss_gib"] = round(u1.rss_bytes / 2**30, 2)
@@ -1043,7 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for n in sinks:
                 try:
-                    per_n.append(measure(n, settings, env, watch, work, run, ph, stage_watch, stack.s3_requests))
+                    per_n.append(measure(n, settings, env, watch, work, run, ph, stage_watch, stack.s3_requests,
+                                         stack.cpu_seconds))
                 except Exception as e:  # noqa: BLE001 - a failed N is a figure; the next N runs
                     log(f"N={n}: failed: {type(e).__name__}: {e}")
                     per_n.append({"sinks": n, "error": f"{type(e).__name__}: {e}"})

@@ -38,3 +38,32 @@ def test_an_exited_child_not_reaped_is_counted_apart_from_the_live_processes() -
     finally:
         parent.kill()
         parent.wait(timeout=30)
+
+
+def test_the_machine_s_cpu_is_split_between_the_tree_the_stack_the_load_and_the_rest() -> None:
+    """A stack server that spins shows as ``broker``, the benchmark's own spinning as ``load``,
+    and an idle one as none of it; the shares are of the whole machine (wall x cores)."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        def stack_cpu() -> dict[str, float]:
+            from shared.devstack.embedded import process_stat
+
+            st = process_stat(spin.pid)
+            assert st is not None
+            return {"kafka": st.cpu_s, "s3": 0.0}
+
+        before, w0 = bench_sinks.machine_cpu(stack_cpu), time.monotonic()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # this process spins as well: the load
+            pass
+        after, wall = bench_sinks.machine_cpu(stack_cpu), time.monotonic() - w0
+        split = bench_sinks.cpu_split(before, after, "services", 0.0, wall, 2)
+        assert split["services"] == 0.0 and split["s3_server"] == 0.0
+        # each spinner takes at most one of the two cores (much less on a loaded machine), and
+        # an idle process's share is 0 (the CPU clock counts 10 ms ticks)
+        assert 0.02 < split["broker"] <= 0.55, split
+        assert 0.02 < split["load"] <= 0.55, split
+        assert split["other"] >= 0.0 and set(split) == {"services", "broker", "s3_server", "load", "other"}
+    finally:
+        spin.kill()
+        spin.wait(timeout=30)
