@@ -339,6 +339,9 @@ class OffsetProbe:
     #: The positions the last :meth:`await_records` waited at when it found nothing, and since
     #: when (monotonic) the waits at them have found nothing; None after a record or an error.
     _idle_watch: tuple[dict[tuple[str, int], int], float] | None = field(default=None, init=False, repr=False)
+    #: What the idle watcher stays assigned between idle waits (its held fetch goes on: a new
+    #: assignment would wait for it, then discard its answer).
+    _idle_assigned: dict[tuple[str, int], int] | None = field(default=None, init=False, repr=False)
     _ends: dict[tuple[str, int], PartitionEnd] = field(default_factory=dict, init=False, repr=False)
     #: Ends that fetches of :meth:`await_records` saw (true ends when fetched; an end only grows).
     _fetched: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
@@ -491,8 +494,10 @@ class OffsetProbe:
         a record reaches the caller 1-6 ms after its produce, and an idle wait of 3 s costs
         about 6 ms of CPU. Once the waits at the same positions have found nothing for
         :data:`WATCH_IDLE_AFTER_S`, they use a second consumer whose fetches are held
-        :data:`WATCH_IDLE_FETCH_WAIT_MS` (a third of the broker's work while a query idles);
-        any other wait uses the quick one, so a changed watch never waits for a held fetch.
+        :data:`WATCH_IDLE_FETCH_WAIT_MS` (a third of the broker's work while a query idles)
+        and stays assigned from one such wait to the next, so that its held fetch goes on
+        (a new assignment would wait for it, then drop its answer); any other wait uses the
+        quick one, so a changed watch never waits for a held fetch.
         Errors of the fetch (a partition gone, a broker restarting) do not
         end the wait early; the next probe of the ends meets them, typed."""
         if not positions or timeout_s <= 0:
@@ -500,19 +505,30 @@ class OffsetProbe:
         watched, now = dict(positions), time.monotonic()
         last, self._idle_watch = self._idle_watch, None  # set again if this wait finds nothing
         since = last[1] if last is not None and last[0] == watched else now
-        c = self._w(now - since >= WATCH_IDLE_AFTER_S)
+        idle = now - since >= WATCH_IDLE_AFTER_S
+        if not idle and self._idle_assigned is not None and self._idle_watcher is not None:
+            self._idle_assigned = None  # back to the quick watcher: the idle one stops fetching
+            try:
+                self._idle_watcher.unassign()
+            except KafkaException:
+                pass
+        c = self._w(idle)
         deadline = now + timeout_s
+        keep = False  # an idle wait that finds nothing keeps its assignment for the next
         try:
-            c.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
+            if not idle or self._idle_assigned != watched:
+                c.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
+                if idle:
+                    self._idle_assigned = watched
             got: list[Any] = []
             while not got:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._idle_watch = (watched, since)
+                    self._idle_watch, keep = (watched, since), idle
                     return {}
                 first = c.poll(left)
                 if first is None:
-                    self._idle_watch = (watched, since)
+                    self._idle_watch, keep = (watched, since), idle
                     return {}
                 got = [m for m in [first, *c.consume(num_messages=1000, timeout=0)] if m.error() is None]
             out: dict[tuple[str, int], int] = {}
@@ -527,10 +543,13 @@ class OffsetProbe:
         except KafkaException as e:
             raise translate(e, f"waiting for records on {sorted(positions)}") from e
         finally:
-            try:
-                c.unassign()
-            except KafkaException:
-                pass
+            if not keep:
+                if idle:
+                    self._idle_assigned = None
+                try:
+                    c.unassign()
+                except KafkaException:
+                    pass
 
     def _probe(self, wms: Mapping[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """Fetch the last batch of every partition (from ``watermark - 1``): the first record

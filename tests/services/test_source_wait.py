@@ -164,8 +164,9 @@ def test_waits_that_find_nothing_for_long_hold_their_fetches_longer_and_still_se
 
         idle_until_the_switch()
         assert chosen[0] is False and len(chosen) >= 2, chosen
+        assert probe._idle_assigned == at  # kept from one idle wait to the next
         assert probe.await_records({(other, 0): 0}, 0.2) == {}  # other positions: the quick one
-        assert chosen[-1] is False
+        assert chosen[-1] is False and probe._idle_assigned is None
         back = len(chosen)
         idle_until_the_switch()
         assert chosen[back] is False, chosen  # the first wait back at those positions starts anew
