@@ -64,10 +64,7 @@ fetched from a topic, ``unassign()``, the topic deleted within the fetch's
 one that only asked ListOffsets: none. So a client that reads a topic is closed (or idle for
 longer than its ``fetch.wait.max.ms``) before the topic is deleted: ``shardsink tail`` closes
 its consumer before deleting its output topic, and the controller's count consumer waits at
-most 10 ms per fetch. Real Kafka answers such a fetch with the topic's own id. (A source's idle
-watcher, :meth:`OffsetProbe.await_records`, stays assigned between its waits: on the embedded
-broker, delete a dropped sink's desired topic once its services have looked again, a second
-or two after the drop.)
+most 10 ms per fetch. Real Kafka answers such a fetch with the topic's own id.
 """
 
 from __future__ import annotations
@@ -297,24 +294,11 @@ def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -
 
 #: How long the broker holds a fetch of :meth:`OffsetProbe.await_records` that finds no record.
 WATCH_FETCH_WAIT_MS = 100
-#: The same once the waits at the very same positions have found nothing for
-#: :data:`WATCH_IDLE_AFTER_S` (a query that idles). Measured on the embedded broker, whose work
-#: is per partition in each fetch: an idle watch of 200 partitions (100 sinks) took it 0.25
-#: cores with fetches held 100 ms, 0.08 with 500. The first record after such a wait reached the
-#: caller 10-128 ms after its produce (median 41) against 11-61 (median 18) with the quick
-#: watcher. librdkafka keeps one fetch in flight per broker: a changed assignment would wait for
-#: the held fetch, so only waits at unchanged positions use it, and its assignment is kept.
-WATCH_IDLE_FETCH_WAIT_MS = 500
-#: How long waits at unchanged positions find nothing before they hold their fetches
-#: :data:`WATCH_IDLE_FETCH_WAIT_MS` (longer than a busy sink's pause between steps).
-WATCH_IDLE_AFTER_S = 10.0
 #: The probe's consumer: fetches the partitions' last batches and answers at their end.
 _PROBE_CONSUMER = {"enable.partition.eof": "true", "auto.offset.reset": "error", "fetch.wait.max.ms": "10"}
 #: The watcher's consumer (:meth:`OffsetProbe.await_records`): fetches wait at the broker.
 _WATCH_CONSUMER = {"enable.partition.eof": "false", "auto.offset.reset": "latest",
                    "fetch.wait.max.ms": str(WATCH_FETCH_WAIT_MS)}
-#: The watcher's consumer for waits at unchanged positions (:data:`WATCH_IDLE_FETCH_WAIT_MS`).
-_IDLE_WATCH_CONSUMER = {**_WATCH_CONSUMER, "fetch.wait.max.ms": str(WATCH_IDLE_FETCH_WAIT_MS)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,13 +322,6 @@ class OffsetProbe:
     _consumer: Consumer | None = field(default=None, init=False, repr=False)
     _admin: AdminClient | None = field(default=None, init=False, repr=False)
     _watcher: Consumer | None = field(default=None, init=False, repr=False)
-    _idle_watcher: Consumer | None = field(default=None, init=False, repr=False)
-    #: The positions the last :meth:`await_records` waited at when it found nothing, and since
-    #: when (monotonic) the waits at them have found nothing; None after a record or an error.
-    _idle_watch: tuple[dict[tuple[str, int], int], float] | None = field(default=None, init=False, repr=False)
-    #: What the idle watcher stays assigned between idle waits (its held fetch goes on: a new
-    #: assignment would wait for it, then discard its answer).
-    _idle_assigned: dict[tuple[str, int], int] | None = field(default=None, init=False, repr=False)
     _ends: dict[tuple[str, int], PartitionEnd] = field(default_factory=dict, init=False, repr=False)
     #: Ends that fetches of :meth:`await_records` saw (true ends when fetched; an end only grows).
     _fetched: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
@@ -365,21 +342,16 @@ class OffsetProbe:
                 raise translate(e, "creating a Kafka admin client") from e
         return self._admin
 
-    def _w(self, idle: bool) -> Consumer:
-        """The watcher: the idle one (fetches held :data:`WATCH_IDLE_FETCH_WAIT_MS`) or the quick one."""
-        if idle:
-            if self._idle_watcher is None:
-                self._idle_watcher = new_consumer(self.settings, **_IDLE_WATCH_CONSUMER)
-            return self._idle_watcher
+    def _w(self) -> Consumer:
         if self._watcher is None:
             self._watcher = new_consumer(self.settings, **_WATCH_CONSUMER)
         return self._watcher
 
     def close(self) -> None:
-        for c in (self._consumer, self._watcher, self._idle_watcher):
+        for c in (self._consumer, self._watcher):
             if c is not None:
                 c.close()
-        self._consumer = self._watcher = self._idle_watcher = None
+        self._consumer = self._watcher = None
         self._admin = None
 
     def __enter__(self) -> OffsetProbe:
@@ -495,43 +467,21 @@ class OffsetProbe:
         The watcher's fetches wait at the broker (``fetch.wait.max.ms``,
         :data:`WATCH_FETCH_WAIT_MS`) until a record arrives: measured on the embedded broker,
         a record reaches the caller 1-6 ms after its produce, and an idle wait of 3 s costs
-        about 6 ms of CPU. Once the waits at the same positions have found nothing for
-        :data:`WATCH_IDLE_AFTER_S`, they use a second consumer whose fetches are held
-        :data:`WATCH_IDLE_FETCH_WAIT_MS` (a third of the broker's work while a query idles)
-        and stays assigned from one such wait to the next, so that its held fetch goes on
-        (a new assignment would wait for it, then drop its answer); any other wait uses the
-        quick one, so a changed watch never waits for a held fetch.
-        Errors of the fetch (a partition gone, a broker restarting) do not
+        about 6 ms of CPU. Errors of the fetch (a partition gone, a broker restarting) do not
         end the wait early; the next probe of the ends meets them, typed."""
         if not positions or timeout_s <= 0:
             return {}
-        watched, now = dict(positions), time.monotonic()
-        last, self._idle_watch = self._idle_watch, None  # set again if this wait finds nothing
-        since = last[1] if last is not None and last[0] == watched else now
-        idle = now - since >= WATCH_IDLE_AFTER_S
-        if not idle and self._idle_assigned is not None and self._idle_watcher is not None:
-            self._idle_assigned = None  # back to the quick watcher: the idle one stops fetching
-            try:
-                self._idle_watcher.unassign()
-            except KafkaException:
-                pass
-        c = self._w(idle)
-        deadline = now + timeout_s
-        keep = False  # an idle wait that finds nothing keeps its assignment for the next
+        c = self._w()
+        deadline = time.monotonic() + timeout_s
         try:
-            if not idle or self._idle_assigned != watched:
-                c.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
-                if idle:
-                    self._idle_assigned = watched
+            c.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
             got: list[Any] = []
             while not got:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._idle_watch, keep = (watched, since), idle
                     return {}
                 first = c.poll(left)
                 if first is None:
-                    self._idle_watch, keep = (watched, since), idle
                     return {}
                 got = [m for m in [first, *c.consume(num_messages=1000, timeout=0)] if m.error() is None]
             out: dict[tuple[str, int], int] = {}
@@ -546,13 +496,10 @@ class OffsetProbe:
         except KafkaException as e:
             raise translate(e, f"waiting for records on {sorted(positions)}") from e
         finally:
-            if not keep:
-                if idle:
-                    self._idle_assigned = None
-                try:
-                    c.unassign()
-                except KafkaException:
-                    pass
+            try:
+                c.unassign()
+            except KafkaException:
+                pass
 
     def _probe(self, wms: Mapping[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """Fetch the last batch of every partition (from ``watermark - 1``): the first record

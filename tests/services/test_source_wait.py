@@ -136,49 +136,6 @@ def test_await_records_reports_the_ends_it_fetched(stack: EmbeddedStack, unique_
         assert probe.await_records({(topic, 0): 1}, 20.0) == {(topic, 0): 5}  # records already there
 
 
-def test_waits_that_find_nothing_for_long_hold_their_fetches_longer_and_still_see_records(
-    stack: EmbeddedStack, unique_id: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Waits at unchanged positions that find nothing for ``WATCH_IDLE_AFTER_S`` go to the idle
-    watcher (fetches held longer at the broker); a record still ends such a wait with its end,
-    and the next wait, at positions that moved, is the quick watcher's again. So is a wait at
-    other positions after an idle one."""
-    import shared.io.kafka as kafka_io
-
-    monkeypatch.setattr(kafka_io, "WATCH_IDLE_AFTER_S", 0.6)
-    topic, other = f"wait-idle-{unique_id}", f"wait-idle-other-{unique_id}"
-    create_topic(stack.bootstrap_servers, topic, 1)
-    create_topic(stack.bootstrap_servers, other, 1)
-    produce(stack.bootstrap_servers, topic, [(0, b"a")])
-    with OffsetProbe(KafkaSettings.of(stack.bootstrap_servers)) as probe:
-        chosen: list[bool] = []
-        pick = probe._w
-        monkeypatch.setattr(probe, "_w", lambda idle: chosen.append(idle) or pick(idle))
-        at = {(topic, 0): 1}
-
-        def idle_until_the_switch() -> None:
-            deadline = time.monotonic() + 60
-            while not chosen or not chosen[-1]:
-                assert time.monotonic() < deadline, f"expected the idle watcher within 60 s, chose {chosen}"
-                assert probe.await_records(at, 0.2) == {}
-
-        idle_until_the_switch()
-        assert chosen[0] is False and len(chosen) >= 2, chosen
-        assert probe._idle_assigned == at  # kept from one idle wait to the next
-        assert probe.await_records({(other, 0): 0}, 0.2) == {}  # other positions: the quick one
-        assert chosen[-1] is False and probe._idle_assigned is None
-        back = len(chosen)
-        idle_until_the_switch()
-        assert chosen[back] is False, chosen  # the first wait back at those positions starts anew
-        th = Later(stack.bootstrap_servers).send(topic, [b"b", b"c"], 0.2)
-        learned = probe.await_records(at, 20.0)
-        th.join()
-        assert chosen[-1] is True
-        assert learned == {(topic, 0): 3}
-        assert probe.await_records({(topic, 0): 3}, 0.2) == {}  # moved on: quick again
-        assert chosen[-1] is False
-
-
 @pytest.mark.parametrize("value", ["-1", "soon"])
 def test_a_bad_wait_option_is_a_typed_error(value: str) -> None:
     with pytest.raises(KafkaConfigError, match="waitforrecordsms"):
