@@ -12,6 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_sinks  # noqa: E402
 
+from shared.devstack.embedded import process_stat  # noqa: E402
+
 #: A parent that starts a live child (sleeping) and a child that exits at once, and reaps neither.
 _PARENT = """
 import subprocess, sys, time
@@ -46,8 +48,6 @@ def test_the_machine_s_cpu_is_split_between_the_tree_the_stack_the_load_and_the_
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         def stack_cpu() -> dict[str, float]:
-            from shared.devstack.embedded import process_stat
-
             st = process_stat(spin.pid)
             assert st is not None
             return {"kafka": st.cpu_s, "s3": 0.0}
