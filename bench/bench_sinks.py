@@ -92,6 +92,18 @@ process's. There is no new sink (``new_sink_first_upper_s`` null) and no query
 (``query_failures`` null); ``deltalake_rows`` / ``deltalake_rows_expected``: the rows in the
 drained tables and the updates produced, equal when every update was written once. The JSON
 says ``"peer": "deltalake"``; the files are ``sinks-deltalake-<timestamp>.json`` / ``.png``.
+
+``--peer spark``: the same N topics and workload served by plain Spark Structured Streaming
+(:func:`spark_peer`): one query over every partition of the N topics, landing each
+micro-batch's records of each topic as one Parquet object on the same S3 server
+(``bench-sinks-spark/<run>/<topic>/batch-<id>.parquet``), as ``bench/bench_sink.py``'s plain
+Spark baseline does for one topic: no correction, no consolidation, no compare-and-append, the
+least a Spark job from these topics to S3 does. A topic's object written makes its progress
+statements of that micro-batch visible, and freshness and the start are timed from its progress
+lines as the delta-rs peer's. The CPU, RSS and processes are the peer's tree (its JVM and
+Python workers); ``query_failures`` null; ``spark_records`` / ``spark_records_expected``: the
+records its objects hold and those produced to the topics since the start, equal when every
+record landed once. The files are ``sinks-spark-<timestamp>.json`` / ``.png``.
 """
 
 from __future__ import annotations
@@ -689,6 +701,101 @@ def deltalake_peer(spec_file: str) -> int:
     return 0
 
 
+# -- the plain Spark peer --------------------------------------------------------------------------------
+
+
+def spark_peer(spec_file: str) -> int:
+    """The plain Spark peer (a child process): every desired topic of ``spec_file`` (``bucket``,
+    ``prefix``, ``progress``, ``checkpoint``, ``start``: ``{topic: {partition: offset}}``) landed
+    as raw records on S3 by one Spark Structured Streaming query, what ``bench/bench_sink.py``'s
+    plain Spark baseline does for one topic: the least any Spark job from these topics to S3 does.
+
+    One query reads every partition of every topic (the Kafka source of the services, as the
+    baseline: the pyspark wheel has no Kafka connector), triggered as the services' queries
+    (``SHARDSINK_TRIGGER_MS``, ``SHARDSINK_SOURCE_WAIT_MS``). Its ``foreachBatch`` takes the
+    micro-batch's records (topic, partition, offset, value) to Arrow, and per topic with records
+    writes one Parquet object, ``<prefix>/<topic>/batch-<id>.parquet`` (a replayed micro-batch
+    writes the same key again: each record lands once), the topics side by side on
+    :data:`PEER_THREADS` threads. A topic's object written makes its progress statements of the
+    micro-batch visible (decoded as the sink does, ``services.sinkio.DesiredDecoder``), and the
+    peer writes a progress line ``{"topic", "frontier", "records", "t"}``, ``frontier`` the least
+    progress it holds over the topic's partitions. The next micro-batch starts once every object
+    of this one is written. No correction, no consolidation, no compare-and-append: the records
+    as they came."""
+    import io
+
+    import boto3
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from services.runtime.settings import ServiceSettings
+    from services.runtime.spark import spark_session
+    from services.sinkio import KIND_PROGRESS, DesiredDecoder
+    from shared.spark.kafka_connector import kafka_read_stream
+
+    spec = json.loads(Path(spec_file).read_text())
+    start = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in spec["start"].items()}
+    settings = ServiceSettings.from_env_and_args(None)
+    env = os.environ
+    s3 = boto3.client("s3", endpoint_url=env["SHARDSINK_S3_ENDPOINT"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                      region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"))
+    decoder = DesiredDecoder(frozenset(start), progress_only=True)
+    #: per topic and partition, the latest progress statement written
+    held: dict[str, dict[int, int]] = {t: {} for t in start}
+    spark = spark_session(settings, "bench-sinks-spark-peer")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with ThreadPoolExecutor(PEER_THREADS) as pool, open(spec["progress"], "a", buffering=1) as out:
+
+        def land(batch_id: int, topic: str, table: pa.Table) -> dict[str, Any]:
+            buf = io.BytesIO()
+            pq.write_table(table, buf, compression="snappy")
+            s3.put_object(Bucket=spec["bucket"], Key=f"{spec['prefix']}/{topic}/batch-{batch_id:08d}.parquet",
+                          Body=buf.getvalue())
+            dec = decoder.decode(table.combine_chunks().to_batches()[0])
+            prog = dec.filter(pc.equal(dec.column("kind"), KIND_PROGRESS))
+            mine = held[topic]
+            for p, f in zip(prog.column("partition").to_pylist(), prog.column("frontier").to_pylist(), strict=True):
+                if f is not None:
+                    mine[p] = max(mine.get(p, f), f)
+            frontier = min(mine.values()) if len(mine) == len(start[topic]) else None
+            return {"topic": topic, "frontier": frontier, "records": table.num_rows, "batch": batch_id, "t": time.time()}
+
+        def each(batch_df: Any, batch_id: int) -> None:
+            table = batch_df.select("topic", "partition", "offset", "value").toArrow()
+            topics = table.column("topic")
+            writes = [pool.submit(land, batch_id, t, table.filter(pc.equal(topics, t)))
+                      for t in pc.unique(topics).to_pylist()]
+            for w in writes:
+                out.write(json.dumps(w.result()) + "\n")
+
+        df = kafka_read_stream(spark, settings.kafka, sorted(start), starting_offsets=json.dumps(start),
+                               wait_for_records_ms=settings.source_wait_ms)
+        q = (df.writeStream.foreachBatch(each).option("checkpointLocation", spec["checkpoint"])
+             .trigger(processingTime=f"{settings.trigger_ms} milliseconds").start())
+        out.write(json.dumps({"started": True, "topics": len(start)}) + "\n")
+        while not stop.is_set() and q.isActive:
+            stop.wait(0.2)
+        q.stop()
+    spark.stop()
+    return 0
+
+
+def peer_records(progress_file: Path, feeds: list[Feed], starts: dict[str, dict[int, int]], kafka: Any) -> dict[str, int]:
+    """Records the plain Spark peer wrote (each micro-batch's object of a topic counted once), and
+    records produced to its topics since the start: equal when it landed every record once."""
+    written: dict[tuple[str, int], int] = {}
+    for line in progress_file.read_text().splitlines():
+        d = json.loads(line)
+        if "records" in d:
+            written[(d["topic"], d["batch"])] = d["records"]
+    ends = topic_ends(kafka, [f.topic for f in feeds])
+    expected = sum(o - starts[t][p] for t, parts in ends.items() for p, o in parts.items())
+    return {"spark_records": sum(written.values()), "spark_records_expected": expected}
+
+
 def topic_ends(kafka: Any, topics: list[str]) -> dict[str, dict[int, int]]:
     """The end offset of every partition of ``topics`` (where the workload starts in each)."""
     from shared.io.kafka import OffsetProbe
@@ -772,20 +879,20 @@ def cpu_split(before: dict[str, float], after: dict[str, float], who: str, tree_
 def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | None, work: Path, run: str,
             ph: Phases, stage_watch: StageWatch | None = None,
             s3_requests: Callable[[], dict[str, int]] | None = None,
-            stack_cpu: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
+            stack_cpu: Callable[[], dict[str, float]] | None = None, peer_kind: str = "deltalake") -> dict[str, Any]:
     """One N's figures: its sinks served by the services, their uppers seen by ``watch`` (and
-    each step's freshness split by ``stage_watch``); with no watch, the delta-rs peer serves
-    the N topics instead."""
+    each step's freshness split by ``stage_watch``); with no watch, the peer ``peer_kind``
+    (``deltalake`` or ``spark``) serves the N topics instead."""
     from shared.catalog import SinkDef
 
     peer = watch is None
-    at, who = (f"N={n} peer deltalake", "peer") if peer else (f"N={n}", "services")
+    at, who = (f"N={n} peer {peer_kind}", "peer") if peer else (f"N={n}", "services")
     cores = os.cpu_count() or 1
     budget = ph.budget_s if ph.budget_s is not None else 120.0 + 3.0 * n
     out: dict[str, Any] = {"sinks": n, "budget_s": budget, "load_start": load()}
     t_setup = time.monotonic()
     feeds = [new_feed(settings, watch, f"n{n}s{i:03d}-{run}", seed=i) for i in range(n)]
-    progress = work / f"deltalake-n{n}-{run}.jsonl"
+    progress = work / f"{peer_kind}-n{n}-{run}.jsonl"
     starts = topic_ends(settings.kafka, [f.topic for f in feeds]) if peer else {}
     uppers = watch if watch is not None else PeerUppers(progress, {f.topic: f.name for f in feeds})
     with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
@@ -796,7 +903,13 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
 
     log_path = work / f"{who}-n{n}.log"
     root = f"s3://{settings.s3.bucket}/bench-sinks-deltalake/{run}"
-    if peer:
+    if peer and peer_kind == "spark":
+        spec = work / f"spark-n{n}-{run}.json"
+        spec.write_text(json.dumps({"bucket": settings.s3.bucket, "prefix": f"bench-sinks-spark/{run}",
+                                    "progress": str(progress), "checkpoint": str(work / f"spark-checkpoint-n{n}"),
+                                    "start": starts}))
+        child = Child([sys.executable, str(Path(__file__).resolve()), "--spark-peer", str(spec)], env, log_path)
+    elif peer:
         spec = work / f"deltalake-n{n}-{run}.json"
         spec.write_text(json.dumps({"root": root, "progress": str(progress), "start": starts}))
         child = Child([sys.executable, str(Path(__file__).resolve()), "--deltalake-peer", str(spec)], env, log_path)
@@ -916,7 +1029,13 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         log(f"{at}: idle CPU {out['idle_cpu_share']:.1%}; {u1.processes} processes ({u1.zombies} exited, not reaped), "
             f"RSS {out['rss_gib']} GiB")
 
-        if peer:
+        if peer and peer_kind == "spark":
+            # The peer's topics are fixed when it starts (no new sink); drained, it wrote every
+            # record once.
+            out["new_sink_first_upper_s"] = None
+            out.update(peer_records(progress, feeds, starts, settings.kafka))
+            log(f"{at}: {out['spark_records']} records written, {out['spark_records_expected']} produced")
+        elif peer:
             # The peer's topics are fixed when it starts (no new sink); its tables, drained, hold
             # every update once.
             out["new_sink_first_upper_s"] = None
@@ -979,7 +1098,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
     pts = res["per_n"]
     ns = [p["sinks"] for p in pts]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    served = ("the delta-rs peer: N desired topics in one process (" if res["peer"] else
+    served = ({"deltalake": "the delta-rs peer: N desired topics in one process (",
+               "spark": "the plain Spark peer: N desired topics in one query ("}[res["peer"]] if res["peer"] else
               f"shardsink: N sinks in one application (SHARDSINK_QUERIES={res['service_mode']}, ")
     fig.suptitle(f"{served}{res['cores']} cores{', quick' if res['quick'] else ''}, {res['timestamp']})")
     ax = axes[0]
@@ -1035,13 +1155,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, help="pause between the drained workload and the idle measurement (default 10, quick 5)")
     ap.add_argument("--drain-s", type=float, help="budget for the workload's last steps to reach their uppers (default 120, quick 60)")
     ap.add_argument("--budget-s", type=float, help="budget for every sink's first upper (default 120 s + 3 s per sink)")
-    ap.add_argument("--peer", choices=("deltalake",), help="serve the N desired topics with the delta-rs peer instead "
-                    "of the services (one process writing a Delta table per topic)")
+    ap.add_argument("--peer", choices=("deltalake", "spark"), help="serve the N desired topics with a peer instead of "
+                    "the services: deltalake (one process writing a Delta table per topic) or spark (one plain Spark "
+                    "query landing each topic's records as Parquet objects)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS, help="where the figures and the plot go (default bench/results)")
     ap.add_argument("--deltalake-peer", metavar="SPEC_FILE", help=argparse.SUPPRESS)
+    ap.add_argument("--spark-peer", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.deltalake_peer:
         return deltalake_peer(args.deltalake_peer)
+    if args.spark_peer:
+        return spark_peer(args.spark_peer)
 
     from services.runner import ensure_control_topics
     from services.runtime.settings import ServiceSettings
@@ -1090,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in sinks:
                 try:
                     per_n.append(measure(n, settings, env, watch, work, run, ph, stage_watch, stack.s3_requests,
-                                         stack.cpu_seconds))
+                                         stack.cpu_seconds, peer_kind=args.peer or "deltalake"))
                 except Exception as e:  # noqa: BLE001 - a failed N is a figure; the next N runs
                     log(f"N={n}: failed: {type(e).__name__}: {e}")
                     per_n.append({"sinks": n, "error": f"{type(e).__name__}: {e}"})
