@@ -54,7 +54,7 @@ bench-sink: $(STAMP)
 bench-scale: $(STAMP)
 	$(VPY) bench/bench_scale.py $(ARGS)
 
-## make bench-sinks: N sinks in one services application (ARGS='--sinks 1,10,100 --mode shared|per-sink --peer deltalake'; --quick: 1,3): processes, RSS, CPU, freshness, start (last line: JSON)
+## make bench-sinks: N sinks in one services application (ARGS='--sinks 1,10,100 --mode shared|per-sink --peer deltalake|spark'; --quick: 1,3): processes, RSS, CPU, freshness, start (last line: JSON)
 bench-sinks: $(STAMP)
 	$(VPY) bench/bench_sinks.py $(ARGS)
 
