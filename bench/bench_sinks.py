@@ -131,7 +131,7 @@ RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from delta_peer import DeltaTopic, delta_storage_options  # noqa: E402
+from delta_peer import DeltaTopic, LeastProgress, delta_storage_options  # noqa: E402
 from shared.devstack.embedded import ProcStat, process_stat  # noqa: E402
 
 SCHEMA = {
@@ -705,8 +705,8 @@ def deltalake_peer(spec_file: str) -> int:
 
 
 def spark_peer(spec_file: str) -> int:
-    """The plain Spark peer (a child process): every desired topic of ``spec_file`` (``bucket``,
-    ``prefix``, ``progress``, ``checkpoint``, ``start``: ``{topic: {partition: offset}}``) landed
+    """The plain Spark peer (a child process): every desired topic of ``spec_file`` (``prefix``,
+    ``progress``, ``checkpoint``, ``start``: ``{topic: {partition: offset}}``) landed
     as raw records on S3 by one Spark Structured Streaming query, what ``bench/bench_sink.py``'s
     plain Spark baseline does for one topic: the least any Spark job from these topics to S3 does.
 
@@ -724,26 +724,21 @@ def spark_peer(spec_file: str) -> int:
     as they came."""
     import io
 
-    import boto3
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from services.runtime.settings import ServiceSettings
     from services.runtime.spark import spark_session
-    from services.sinkio import KIND_PROGRESS, DesiredDecoder
+    from services.sinkio import DesiredDecoder
     from shared.spark.kafka_connector import kafka_read_stream
 
     spec = json.loads(Path(spec_file).read_text())
     start = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in spec["start"].items()}
     settings = ServiceSettings.from_env_and_args(None)
-    env = os.environ
-    s3 = boto3.client("s3", endpoint_url=env["SHARDSINK_S3_ENDPOINT"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-                      region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"))
+    store = settings.store()
     decoder = DesiredDecoder(frozenset(start), progress_only=True)
-    #: per topic and partition, the latest progress statement written
-    held: dict[str, dict[int, int]] = {t: {} for t in start}
+    held = {t: LeastProgress(parts) for t, parts in start.items()}
     spark = spark_session(settings, "bench-sinks-spark-peer")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -752,16 +747,10 @@ def spark_peer(spec_file: str) -> int:
         def land(batch_id: int, topic: str, table: pa.Table) -> dict[str, Any]:
             buf = io.BytesIO()
             pq.write_table(table, buf, compression="snappy")
-            s3.put_object(Bucket=spec["bucket"], Key=f"{spec['prefix']}/{topic}/batch-{batch_id:08d}.parquet",
-                          Body=buf.getvalue())
-            dec = decoder.decode(table.combine_chunks().to_batches()[0])
-            prog = dec.filter(pc.equal(dec.column("kind"), KIND_PROGRESS))
-            mine = held[topic]
-            for p, f in zip(prog.column("partition").to_pylist(), prog.column("frontier").to_pylist(), strict=True):
-                if f is not None:
-                    mine[p] = max(mine.get(p, f), f)
-            frontier = min(mine.values()) if len(mine) == len(start[topic]) else None
-            return {"topic": topic, "frontier": frontier, "records": table.num_rows, "batch": batch_id, "t": time.time()}
+            store.put(f"{spec['prefix']}/{topic}/batch-{batch_id:08d}.parquet", buf.getvalue())
+            held[topic].absorb(decoder.decode(table.combine_chunks().to_batches()[0]))
+            return {"topic": topic, "frontier": held[topic].held(), "records": table.num_rows, "batch": batch_id,
+                    "t": time.time()}
 
         def each(batch_df: Any, batch_id: int) -> None:
             table = batch_df.select("topic", "partition", "offset", "value").toArrow()
@@ -885,14 +874,14 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
     (``deltalake`` or ``spark``) serves the N topics instead."""
     from shared.catalog import SinkDef
 
-    peer = watch is None
-    at, who = (f"N={n} peer {peer_kind}", "peer") if peer else (f"N={n}", "services")
+    peer = None if watch is not None else peer_kind
+    at, who = (f"N={n} peer {peer}", "peer") if peer else (f"N={n}", "services")
     cores = os.cpu_count() or 1
     budget = ph.budget_s if ph.budget_s is not None else 120.0 + 3.0 * n
     out: dict[str, Any] = {"sinks": n, "budget_s": budget, "load_start": load()}
     t_setup = time.monotonic()
     feeds = [new_feed(settings, watch, f"n{n}s{i:03d}-{run}", seed=i) for i in range(n)]
-    progress = work / f"{peer_kind}-n{n}-{run}.jsonl"
+    progress = work / f"{peer}-n{n}-{run}.jsonl"
     starts = topic_ends(settings.kafka, [f.topic for f in feeds]) if peer else {}
     uppers = watch if watch is not None else PeerUppers(progress, {f.topic: f.name for f in feeds})
     with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
@@ -903,13 +892,13 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
 
     log_path = work / f"{who}-n{n}.log"
     root = f"s3://{settings.s3.bucket}/bench-sinks-deltalake/{run}"
-    if peer and peer_kind == "spark":
+    if peer == "spark":
         spec = work / f"spark-n{n}-{run}.json"
-        spec.write_text(json.dumps({"bucket": settings.s3.bucket, "prefix": f"bench-sinks-spark/{run}",
+        spec.write_text(json.dumps({"prefix": f"bench-sinks-spark/{run}",
                                     "progress": str(progress), "checkpoint": str(work / f"spark-checkpoint-n{n}"),
                                     "start": starts}))
         child = Child([sys.executable, str(Path(__file__).resolve()), "--spark-peer", str(spec)], env, log_path)
-    elif peer:
+    elif peer == "deltalake":
         spec = work / f"deltalake-n{n}-{run}.json"
         spec.write_text(json.dumps({"root": root, "progress": str(progress), "start": starts}))
         child = Child([sys.executable, str(Path(__file__).resolve()), "--deltalake-peer", str(spec)], env, log_path)
@@ -1029,13 +1018,13 @@ def measure(n: int, settings: Any, env: dict[str, str], watch: UppersWatch | Non
         log(f"{at}: idle CPU {out['idle_cpu_share']:.1%}; {u1.processes} processes ({u1.zombies} exited, not reaped), "
             f"RSS {out['rss_gib']} GiB")
 
-        if peer and peer_kind == "spark":
+        if peer == "spark":
             # The peer's topics are fixed when it starts (no new sink); drained, it wrote every
             # record once.
             out["new_sink_first_upper_s"] = None
             out.update(peer_records(progress, feeds, starts, settings.kafka))
             log(f"{at}: {out['spark_records']} records written, {out['spark_records_expected']} produced")
-        elif peer:
+        elif peer == "deltalake":
             # The peer's topics are fixed when it starts (no new sink); its tables, drained, hold
             # every update once.
             out["new_sink_first_upper_s"] = None
@@ -1122,7 +1111,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.plot(ns, [p.get("busy_cpu_share") for p in pts], "o-", label="busy")
     ax.plot(ns, [p.get("idle_cpu_share") for p in pts], "o-", label="idle")
     ax.set_ylabel("share of all cores")
-    ax.set_title("CPU of the peer's process" if res["peer"] else "CPU of the services' tree")
+    ax.set_title("CPU of the peer's processes" if res["peer"] else "CPU of the services' tree")
     for a in axes:
         a.set_xscale("log")
         a.minorticks_off()

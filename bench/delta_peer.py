@@ -43,6 +43,31 @@ def delta_row_schema(row_schema: Mapping[str, Any]) -> Any:
                       pa.field("_diff", pa.int64())])
 
 
+class LeastProgress:
+    """A topic's desired frontier as a peer holds it: per partition the latest progress
+    statement written, and the least over the topic's partitions once each has one."""
+
+    def __init__(self, partitions: Iterable[int]) -> None:
+        self.partitions = frozenset(partitions)
+        self.latest: dict[int, int] = {}
+
+    def absorb(self, decoded: Any) -> None:
+        """The progress statements of ``decoded`` (rows of ``services.sinkio.DECODED_SCHEMA``),
+        now written."""
+        import pyarrow.compute as pc
+
+        from services.sinkio import KIND_PROGRESS
+
+        prog = decoded.filter(pc.equal(decoded.column("kind"), KIND_PROGRESS))
+        for p, f in zip(prog.column("partition").to_pylist(), prog.column("frontier").to_pylist(), strict=True):
+            if f is not None:
+                self.latest[p] = max(self.latest.get(p, f), f)
+
+    def held(self) -> int | None:
+        """The least progress over the partitions (None until every partition's is written)."""
+        return min(self.latest.values()) if len(self.latest) == len(self.partitions) else None
+
+
 class DeltaTopic:
     """One desired topic's Delta table (created if missing), appended to by :meth:`write`, and
     the desired frontier it holds.
@@ -66,8 +91,8 @@ class DeltaTopic:
         self.app = {p: f"{DELTA_APP}-{topic}-{p}" for p in partitions}
         self.rows = ColumnCodec(row_schema)
         self.decoder = DesiredDecoder(topic)
-        #: per partition, the latest progress statement the table holds
-        self.frontier: dict[int, int] = {}
+        #: the progress statements the table holds
+        self.progress = LeastProgress(self.app)
         self.bad = 0
 
     def positions(self, start: Mapping[int, int]) -> dict[int, int]:
@@ -82,7 +107,7 @@ class DeltaTopic:
     def held(self) -> int | None:
         """The least progress over the topic's partitions the table holds (None until every
         partition's progress is)."""
-        return min(self.frontier.values()) if len(self.frontier) == len(self.app) else None
+        return self.progress.held()
 
     def write(self, msgs: list[Any]) -> dict[str, Any] | None:
         """Append one poll's records of this topic (confluent-kafka messages, in offset order
@@ -109,7 +134,7 @@ class DeltaTopic:
         import pyarrow.compute as pc
         from deltalake import CommitProperties, Transaction, write_deltalake
 
-        from services.sinkio import KIND_PROGRESS, KIND_UPDATE
+        from services.sinkio import KIND_UPDATE
 
         dt = self.table
         part = np.fromiter((m.partition() for m in msgs), np.int32, len(msgs))
@@ -150,9 +175,6 @@ class DeltaTopic:
             write_deltalake(dt, table, mode="append", commit_properties=CommitProperties(
                 app_transactions=[Transaction(self.app[p], v) for p, v in last.items()]))
         # 4. the progress of the poll is visible now.
-        prog = dec.filter(pc.equal(dec.column("kind"), KIND_PROGRESS))
-        for p, f in zip(prog.column("partition").to_pylist(), prog.column("frontier").to_pylist(), strict=True):
-            if f is not None:
-                self.frontier[p] = max(self.frontier.get(p, f), f)
+        self.progress.absorb(dec)
         return {"rows": len(msgs), "updates": table.num_rows, "bad": self.bad, "frontier": self.held(),
                 "commit_s": round(time.time() - t_commit, 4), "version": dt.version(), "t": time.time()}

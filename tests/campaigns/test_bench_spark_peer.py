@@ -48,7 +48,7 @@ def test_the_spark_peer_lands_every_record_once_and_times_a_topic_by_its_least_p
     progress = tmp_path / "progress.jsonl"
     prefix = f"bench-sinks-spark/{unique_id}"
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"bucket": settings.s3.bucket, "prefix": prefix, "progress": str(progress),
+    spec.write_text(json.dumps({"prefix": prefix, "progress": str(progress),
                                 "checkpoint": str(tmp_path / "checkpoint"), "start": starts}))
     uppers = bench_sinks.PeerUppers(progress, {f.topic: f.name for f in feeds})
     child = bench_sinks.Child([sys.executable, str(REPO / "bench" / "bench_sinks.py"), "--spark-peer", str(spec)],
