@@ -43,8 +43,8 @@ statement every 3 s, the N sinks' steps spread evenly over the 3 s. Figures per 
   from the ``descs`` and ``batches`` topics (:class:`StageWatch`): ``mint``, from the progress
   statement until its description was minted (``minted_at_ms``); ``write``, from then until the
   last writer partition wrote it (``written_at_ms``); ``report``, from then until the last of
-  its reports was produced (their Kafka timestamps: the write's driver produces a micro-batch's
-  reports once all its tasks ended); ``append``, from then until the upper was announced.
+  its reports was produced (their Kafka timestamps: each unit's executor produces its report as
+  the unit ends); ``append``, from then until the upper was announced.
   ``steps_split`` says over how many steps;
 - ``start_to_first_uppers_s``: from starting the services (the N sinks created, their first
   step produced) until every sink's upper has passed its first step; ``null`` when some did

@@ -90,9 +90,10 @@ class SinkWriter:
         bodies = rows["body"].to_pylist() if rows.num_rows else []
         refused: dict[int, str] = {}
         for wp, kind, body in zip(wps, kinds, bodies, strict=True):
-            if kind == "report":
+            if kind in ("report", "reported"):  # reported: the executor produced it
                 report = BatchReport.from_dict(json.loads(body))
-                self.producer.send(self.settings.batches_topic, codec.encode(report.to_dict()), key=self.sink.sink_id.encode())
+                if kind == "report":
+                    self.producer.send(self.settings.batches_topic, codec.encode(report.to_dict()), key=self.sink.sink_id.encode())
                 self.metrics.reports_sent += 1
                 if report.staged is not None:
                     self.metrics.batches_staged += 1

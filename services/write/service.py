@@ -106,7 +106,10 @@ Micro-batch order inside a writer partition's task (all on the executor):
 Then on the driver (``foreachBatch``): set the micro-batch id as the job's local property
 (:data:`services.write.source.BATCH_PROPERTY`), run the batch's job, produce the reports it
 returns and flush them; only then does Spark commit the micro-batch (offsets), which makes
-the state versions live.
+the state versions live. (The shared query, :mod:`services.write.shared`, produces each unit's
+report from the executor as the unit ends, after its state version is written; the driver
+produces those the executor could not deliver. Either way every report is out before the
+commit.)
 A batch that fails before its commit is re-run with the same id and offsets from the versions
 before it; what its failed attempt staged is collected after the grace period.
 

@@ -17,7 +17,9 @@ different sinks' units side by side on a few threads (their time is mostly S3 ro
 each unit runs the write step of :mod:`services.write.executor` on its own rows exactly as a
 per-sink query does, with its state versioned by
 the shared query's micro-batch ids under the sink's own folder. A unit that fails yields a
-``fail`` row instead of failing the task: one sink's failure is that sink's alone.
+``fail`` row instead of failing the task: one sink's failure is that sink's alone. A unit that
+succeeds produces its report to ``batches`` itself, after its state version is written, and
+its row says so (:data:`REPORTED`); the driver produces a report the unit could not deliver.
 
 Replays. A failed unit saved no state version, so the next unit of that writer partition
 loads the version before it; its input must come again. The driver records, per failed unit,
@@ -37,6 +39,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -100,6 +103,11 @@ ADMIT_ALL_EVERY_S = 20.0
 PREFETCH_RECORDS = 200_000
 #: Threads a task runs its sinks' units on (their time is mostly S3 and Kafka round trips).
 UNIT_THREADS = 4
+#: A unit's reports are produced by its thread as it ends, and delivered within this long;
+#: the driver produces those that were not (after the micro-batch's tasks, as before).
+REPORT_DELIVERY_S = 5.0
+#: The kind of an output row whose report the executor produced (the driver keeps its metrics).
+REPORTED = "reported"
 #: Those threads, kept by the Python worker from one task to the next.
 _UNIT_POOL = SideBySide(UNIT_THREADS, "write-units")
 _RAW_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
@@ -410,7 +418,7 @@ class WriteFleetReader(FleetStreamReader):
             }
             row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
             return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
-        return [_with_sink(b, u.key) for b in out if b.num_rows]
+        return [_with_sink(_produce_reports(job, b), u.key) for b in out if b.num_rows]
 
 
 def _unit_input(u: WriteUnit, got: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -505,6 +513,74 @@ def _control_batch(topic: str, descs: Sequence[tuple[int, int, bytes]]) -> pa.Re
         else:
             cols[f.name] = pa.nulls(n, f.type)
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+class _ReportProducer:
+    """The Python worker's producer of reports (one, shared by its tasks' unit threads)."""
+
+    _lock = threading.Lock()
+    _by_bootstrap: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def of(cls, settings: Any) -> Any:
+        from services.sinkio import ControlProducer
+
+        key = str(settings.kafka.bootstrap)
+        with cls._lock:
+            p = cls._by_bootstrap.get(key)
+            if p is None:
+                p = cls._by_bootstrap[key] = ControlProducer.create(settings.kafka, "write-units").producer
+            return p
+
+
+def _produce_reports(job: WriteJob, b: pa.RecordBatch) -> pa.RecordBatch:
+    """A unit's output with its reports produced here, as the unit ends (:data:`REPORTED`):
+    the sink's append need not wait for the other units of the task and the micro-batch. A
+    report that could not be delivered in time stays a ``report`` row, which the driver
+    produces before the micro-batch commits, as before. A report produced here by an attempt
+    whose micro-batch then fails is one more report of the partition for its description: the
+    appender takes one per partition per description, as from a racing replica or a driver's
+    flush before a failed commit (:mod:`services.write.service`, "Recovery")."""
+    kinds = b.column(1).to_pylist()
+    if "report" not in kinds:
+        return b
+    from shared.codec import message_codec
+    from shared.sink_messages import BatchReport
+
+    codec = message_codec("written_batch")
+    bodies = b.column(2).to_pylist()
+    out = list(kinds)
+    try:
+        producer = _ReportProducer.of(job.settings)
+    except Exception as e:  # noqa: BLE001 - the driver produces them
+        log.warning("could not make the executor's report producer (the driver produces the reports): %s", e)
+        return b
+    sent: list[tuple[int, threading.Event, list[Any]]] = []
+    for i, (kind, body) in enumerate(zip(kinds, bodies, strict=True)):
+        if kind != "report":
+            continue
+        done, err = threading.Event(), [None]
+
+        def on_delivery(e: Any, _msg: Any, done: threading.Event = done, err: list[Any] = err) -> None:
+            err[0] = e
+            done.set()
+
+        try:
+            value = codec.encode(BatchReport.from_dict(json.loads(body)).to_dict())
+            producer.produce(job.settings.batches_topic, value=value, key=job.sink.sink_id.encode(), on_delivery=on_delivery)
+        except Exception as e:  # noqa: BLE001 - BufferError or a bad config: the driver produces it
+            log.warning("could not produce a report from the executor (the driver produces it): %s", e)
+            continue
+        sent.append((i, done, err))
+    deadline = time.monotonic() + REPORT_DELIVERY_S
+    for i, done, err in sent:
+        while not done.is_set() and time.monotonic() < deadline:
+            producer.flush(0.05)
+        if done.is_set() and err[0] is None:
+            out[i] = REPORTED
+    if out == kinds:
+        return b
+    return pa.RecordBatch.from_arrays([b.column(0), pa.array(out, pa.string()), b.column(2)], schema=b.schema)
 
 
 def _with_sink(b: pa.RecordBatch, key: str) -> pa.RecordBatch:

@@ -1,13 +1,18 @@
 """How the shared write query packs its units of work into tasks (services/write/shared_source.py):
 every unit once, few tasks for many small units, a task per heavy unit so one busy sink's
-writer partitions run side by side, and none for no work."""
+writer partitions run side by side, and none for no work; how the driver handles the units'
+rows (replays, one flush); and how a unit's report goes out from its executor as it ends."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from services.write.shared_source import DESCRIPTION_WEIGHT, WriteUnit, pack_units
 from shared.spark.kafka_source import KafkaInputPartition
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def unit(key: str, wp: int, records: int, descs: int = 0) -> WriteUnit:
@@ -194,3 +199,83 @@ def test_a_failed_unit_leaves_no_version_of_its_micro_batch_that_an_earlier_atte
     assert row["kind"] == "fail" and "injected timeout" in json.loads(row["body"])["error"]
     assert files.versions(0) == [6] and files.versions(1) == [7]  # the other partition's stands
     assert files.load(0, 8, lambda data: data) == (6, b"before the batch")
+
+
+def _report_rows(sink_id: str, partitions: int = 2) -> "pa.RecordBatch":
+    """A unit's output: its report (nothing staged) and its statistics (OUTPUT_SCHEMA)."""
+    import json
+
+    import pyarrow as pa
+
+    from services.write.job import OUTPUT_SCHEMA
+    from shared.sink_messages import BatchReport
+
+    report = BatchReport(sink_id, "tok-1", 1, 0, 5, 1, partitions, written_at_ms=1234)
+    return pa.RecordBatch.from_pylist([
+        {"wp": 1, "kind": "report", "body": json.dumps(report.to_dict())},
+        {"wp": 1, "kind": "stats", "body": json.dumps({"desired_updates": 3, "decode_errors": 0, "contract_violations": 0,
+                                                       "buffer_updates": 0, "buffer_bytes": 0})},
+    ], schema=OUTPUT_SCHEMA)
+
+
+def test_a_unit_s_report_is_produced_by_its_executor_as_the_unit_ends(stack) -> None:
+    """The report goes out from the unit's thread (the sink's append does not wait for the
+    micro-batch's other units); the row tells the driver it went, so the driver produces it
+    no second time."""
+    import uuid
+    from types import SimpleNamespace
+
+    from services.runtime.settings import ServiceSettings
+    from services.write import shared_source as wss
+    from shared.catalog import SinkDef
+    from shared.codec import message_codec
+    from shared.io.kafka_admin import ensure_topic
+    from shared.sink_messages import BatchReport
+    from shared.spark.kafka_source import read_range
+
+    batches = f"batches-{uuid.uuid4().hex[:8]}"
+    settings = ServiceSettings.from_env_and_args(None, {**stack.env(), "SHARDSINK_TOPIC_BATCHES": batches})
+    ensure_topic(settings.kafka, batches, 1)
+    job = SimpleNamespace(sink=SinkDef("s7", "d7", "c7", epoch=1), settings=settings)
+    out = wss._produce_reports(job, _report_rows("s7"))  # type: ignore[arg-type]
+    assert out.column(1).to_pylist() == [wss.REPORTED, "stats"]
+    assert out.column(2).to_pylist() == _report_rows("s7").column(2).to_pylist()  # the driver's metrics read it
+    got = [v for b in read_range(settings.kafka, batches, 0, 0, 1, values_only=True) for v in b.column("value").to_pylist()]
+    assert len(got) == 1
+    sent = BatchReport.from_dict(message_codec("written_batch").decode(got[0]))
+    assert sent == BatchReport("s7", "tok-1", 1, 0, 5, 1, 2, written_at_ms=1234)
+
+
+def test_a_report_the_executor_cannot_deliver_is_left_to_the_driver(monkeypatch) -> None:
+    """No broker answers: within its delivery budget the row stays a ``report``, which the
+    driver produces before the micro-batch commits (as every report was before)."""
+    from types import SimpleNamespace
+
+    from services.runtime.settings import ServiceSettings
+    from services.write import shared_source as wss
+    from shared.catalog import SinkDef
+
+    monkeypatch.setattr(wss, "REPORT_DELIVERY_S", 1.0)
+    settings = ServiceSettings.from_env_and_args(None, {"SHARDSINK_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    job = SimpleNamespace(sink=SinkDef("s8", "d8", "c8", epoch=1), settings=settings)
+    rows = _report_rows("s8")
+    assert wss._produce_reports(job, rows).column(1).to_pylist() == ["report", "stats"]  # type: ignore[arg-type]
+
+
+def test_the_driver_counts_a_report_its_executor_produced_and_does_not_send_it_again() -> None:
+    import pyarrow as pa
+
+    from services.runtime.settings import ServiceSettings
+    from services.write.driver import SinkWriter
+    from services.write.shared_source import REPORTED
+    from shared.catalog import SinkDef
+
+    producer = _Producer()
+    w = SinkWriter(sink=SinkDef("s9", "d9", "c9", epoch=1), settings=ServiceSettings.from_env_and_args(None, {}),
+                   partitions=2, producer=producer)  # type: ignore[arg-type]
+    rows = pa.Table.from_batches([_report_rows("s9")])
+    reported = rows.set_column(1, "kind", pa.array([REPORTED, "stats"], pa.string()))
+    w.handle(reported)
+    assert producer.sent == [] and w.metrics.reports_sent == 1
+    w.handle(rows)  # a report the executor could not deliver: the driver produces it
+    assert [t for t, _ in producer.sent] == [w.settings.batches_topic] and w.metrics.reports_sent == 2
