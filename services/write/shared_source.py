@@ -516,20 +516,21 @@ def _control_batch(topic: str, descs: Sequence[tuple[int, int, bytes]]) -> pa.Re
 
 
 class _ReportProducer:
-    """The Python worker's producer of reports (one, shared by its tasks' unit threads)."""
+    """The Python worker's producer of reports (one per Kafka configuration, shared by its
+    tasks' unit threads)."""
 
     _lock = threading.Lock()
-    _by_bootstrap: ClassVar[dict[str, Any]] = {}
+    _by_config: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def of(cls, settings: Any) -> Any:
         from services.sinkio import ControlProducer
 
-        key = str(settings.kafka.bootstrap)
+        key = repr(sorted((k, str(v)) for k, v in settings.kafka.config().items()))
         with cls._lock:
-            p = cls._by_bootstrap.get(key)
+            p = cls._by_config.get(key)
             if p is None:
-                p = cls._by_bootstrap[key] = ControlProducer.create(settings.kafka, "write-units").producer
+                p = cls._by_config[key] = ControlProducer.create(settings.kafka, "write-units").producer
             return p
 
 
