@@ -706,6 +706,33 @@ class ControlProducer:
             except BufferError:
                 self.producer.poll(0.05)
 
+    def deliver(self, topic: str, value: bytes, key: bytes | None = None, timeout_s: float = 5.0) -> bool:
+        """Produce one message and wait for its own delivery, from any thread (several may share
+        this producer): True when the broker acknowledged it within ``timeout_s``, False when
+        it failed, was not produced or is still pending (it may land later: a caller that sends
+        it again makes a duplicate its readers must accept)."""
+        import logging
+
+        from confluent_kafka import KafkaException
+
+        done = threading.Event()
+        failed: list[Any] = []
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is not None:
+                failed.append(err)
+            done.set()
+
+        try:
+            self.producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+        except (BufferError, KafkaException, ValueError) as e:
+            logging.getLogger("shardsink.kafka").warning("could not produce to %s: %s", topic, e)
+            return False
+        deadline = time.monotonic() + timeout_s
+        while not done.is_set() and time.monotonic() < deadline:
+            self.producer.flush(0.05)  # serves the callbacks of every thread's messages
+        return done.is_set() and not failed
+
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every message sent is delivered: :class:`KafkaTimeoutError` when some
         are still pending after ``timeout_s``, :class:`KafkaDeliveryError` when any failed

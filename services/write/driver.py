@@ -21,11 +21,10 @@ from services.runtime.settings import ServiceSettings
 from services.runtime.supervisor import interruptible
 from services.sinkio import ROUTED_DDL, ControlProducer, decode_partition
 from services.write.executor import write_batches
-from services.write.job import OUTPUT_DDL, WriteJob
+from services.write.job import OUTPUT_DDL, WriteJob, report_message
 from services.write.quarantine import load_quarantine
 from services.write.source import BATCH_PROPERTY, desired_source
 from shared.catalog import SinkDef, SinkHealth, put_sink_health
-from shared.codec import message_codec
 from shared.errors import HistoryUnprovenError, ShardsinkError
 from shared.io.kafka_admin import topic_partition_count
 from shared.shard import Shard, StagedBatch
@@ -84,7 +83,6 @@ class SinkWriter:
 
     def handle(self, rows: pa.Table) -> None:
         """One micro-batch of the stateful step's output (a few rows per partition)."""
-        codec = message_codec("written_batch")
         wps = rows["wp"].to_pylist() if rows.num_rows else []
         kinds = rows["kind"].to_pylist() if rows.num_rows else []
         bodies = rows["body"].to_pylist() if rows.num_rows else []
@@ -93,7 +91,7 @@ class SinkWriter:
             if kind in ("report", "reported"):  # reported: the executor produced it
                 report = BatchReport.from_dict(json.loads(body))
                 if kind == "report":
-                    self.producer.send(self.settings.batches_topic, codec.encode(report.to_dict()), key=self.sink.sink_id.encode())
+                    self.producer.send(self.settings.batches_topic, report_message(body), key=self.sink.sink_id.encode())
                 self.metrics.reports_sent += 1
                 if report.staged is not None:
                     self.metrics.batches_staged += 1

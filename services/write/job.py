@@ -18,6 +18,17 @@ OUTPUT_DDL = "wp int, kind string, body string"
 OUTPUT_SCHEMA = pa.schema([pa.field("wp", pa.int32()), pa.field("kind", pa.string()), pa.field("body", pa.string())])
 
 
+def report_message(body: str) -> bytes:
+    """The ``batches`` message of a ``report`` row's body (the executor that produces it and
+    the driver that produces what the executor could not encode it the same way)."""
+    import json
+
+    from shared.codec import message_codec
+    from shared.sink_messages import BatchReport
+
+    return message_codec("written_batch").encode(BatchReport.from_dict(json.loads(body)).to_dict())
+
+
 @dataclass(frozen=True)
 class WriteJob:
     """What a writer partition's task needs (pickled to the executors)."""

@@ -50,7 +50,7 @@ from pyspark.sql.datasource import InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit
 
 from services.sinkio import decode_partition, decode_units
-from services.write.job import WriteJob
+from services.write.job import WriteJob, report_message
 from services.write.source import _batch_id
 from shared.codec import message_codec
 from shared.errors import DecodeError, ShardsinkError
@@ -516,21 +516,20 @@ def _control_batch(topic: str, descs: Sequence[tuple[int, int, bytes]]) -> pa.Re
 
 
 class _ReportProducer:
-    """The Python worker's producer of reports (one per Kafka configuration, shared by its
-    tasks' unit threads)."""
+    """The Python worker's producer of reports (one per Kafka settings, shared by its tasks'
+    unit threads)."""
 
     _lock = threading.Lock()
-    _by_config: ClassVar[dict[str, Any]] = {}
+    _by_kafka: ClassVar[dict[Any, Any]] = {}
 
     @classmethod
-    def of(cls, settings: Any) -> Any:
+    def of(cls, kafka: Any) -> Any:
         from services.sinkio import ControlProducer
 
-        key = repr(sorted((k, str(v)) for k, v in settings.kafka.config().items()))
         with cls._lock:
-            p = cls._by_config.get(key)
+            p = cls._by_kafka.get(kafka)
             if p is None:
-                p = cls._by_config[key] = ControlProducer.create(settings.kafka, "write-units").producer
+                p = cls._by_kafka[kafka] = ControlProducer.create(kafka, "write-units")
             return p
 
 
@@ -545,40 +544,14 @@ def _produce_reports(job: WriteJob, b: pa.RecordBatch) -> pa.RecordBatch:
     kinds = b.column(1).to_pylist()
     if "report" not in kinds:
         return b
-    from shared.codec import message_codec
-    from shared.sink_messages import BatchReport
-
-    codec = message_codec("written_batch")
-    bodies = b.column(2).to_pylist()
-    out = list(kinds)
     try:
-        producer = _ReportProducer.of(job.settings)
+        producer = _ReportProducer.of(job.settings.kafka)
     except Exception as e:  # noqa: BLE001 - the driver produces them
         log.warning("could not make the executor's report producer (the driver produces the reports): %s", e)
         return b
-    sent: list[tuple[int, threading.Event, list[Any]]] = []
-    for i, (kind, body) in enumerate(zip(kinds, bodies, strict=True)):
-        if kind != "report":
-            continue
-        done, err = threading.Event(), [None]
-
-        def on_delivery(e: Any, _msg: Any, done: threading.Event = done, err: list[Any] = err) -> None:
-            err[0] = e
-            done.set()
-
-        try:
-            value = codec.encode(BatchReport.from_dict(json.loads(body)).to_dict())
-            producer.produce(job.settings.batches_topic, value=value, key=job.sink.sink_id.encode(), on_delivery=on_delivery)
-        except Exception as e:  # noqa: BLE001 - BufferError or a bad config: the driver produces it
-            log.warning("could not produce a report from the executor (the driver produces it): %s", e)
-            continue
-        sent.append((i, done, err))
-    deadline = time.monotonic() + REPORT_DELIVERY_S
-    for i, done, err in sent:
-        while not done.is_set() and time.monotonic() < deadline:
-            producer.flush(0.05)
-        if done.is_set() and err[0] is None:
-            out[i] = REPORTED
+    key = job.sink.sink_id.encode()
+    out = [REPORTED if k == "report" and producer.deliver(job.settings.batches_topic, report_message(body), key, REPORT_DELIVERY_S)
+           else k for k, body in zip(kinds, b.column(2).to_pylist(), strict=True)]
     if out == kinds:
         return b
     return pa.RecordBatch.from_arrays([b.column(0), pa.array(out, pa.string()), b.column(2)], schema=b.schema)
