@@ -526,7 +526,12 @@ class SubscribesRoom:
     def count_on_topic(self, topic: str, sid: str, start: int, end: int | None = None) -> tuple[int, int]:
         """How many messages of subscribe ``sid`` partition 0 of ``topic`` holds from offset
         ``start`` up to ``end`` (the partition's end, read now when not given), and the offset
-        up to which they were counted."""
+        up to which they were counted.
+
+        Each offset counts once, and only from ``start`` on: a message the consumer hands back
+        from below ``start`` or again (one fetched for an earlier count, a rewind) would make
+        the caller skip as many messages of the step, a gap on the topic. (So a consumer that
+        resets to the partition's start, its position out of range, only reads further.)"""
         if end is None:
             if self._probe is None:
                 self._probe = OffsetProbe(self.ctx.settings.service.kafka)
@@ -549,7 +554,10 @@ class SubscribesRoom:
                 for m in consume_available(c, 1000, 0.2):
                     if m.error() is not None:
                         continue
-                    pos = max(pos, int(m.offset() or 0) + 1)
+                    off = int(m.offset() or 0)
+                    if off < pos:  # below start, or counted already
+                        continue
+                    pos = off + 1
                     try:
                         if self.sub_codec.decode(m.value() or b"")["subscribe_id"] == sid:
                             n += 1
