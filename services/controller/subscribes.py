@@ -546,6 +546,7 @@ class SubscribesRoom:
             )
         c = self._counter
         n = 0
+        behind = 0  # messages handed back from below the position reached (not counted)
         try:
             c.assign([TopicPartition(topic, 0, start)])
             pos = start
@@ -556,6 +557,7 @@ class SubscribesRoom:
                         continue
                     off = int(m.offset() or 0)
                     if off < pos:  # below start, or counted already
+                        behind += 1
                         continue
                     pos = off + 1
                     try:
@@ -568,6 +570,9 @@ class SubscribesRoom:
             c.close()
             raise
         c.unassign()
+        if behind:
+            log.warning("subscribe %s: counting %s/0 from %d, the consumer handed back %d messages from below "
+                        "its position: not counted", sid, topic, start, behind)
         if pos < end:
             # A partial count would make the caller produce messages already there again.
             raise KafkaTimeoutError(
