@@ -143,6 +143,19 @@ def test_a_step_whose_chunk_lands_after_a_failed_flush_is_on_the_topic_once_in_o
     assert [m["row"] for m in got[:-1]] == [b"r%d" % i for i in range(n)]
 
 
+def _one_step(stack: EmbeddedStack, prefix: str) -> tuple[Any, Any, str, list[bytes]]:
+    """A controller's settings and subscribes room, a new output topic, and a step of
+    ``_SUB_CHUNK + 300`` changes of subscribe "ours" (change ``i`` at time ``i``)."""
+    cs = controller_settings(stack)
+    ctl = Controller(cs)
+    topic = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    ensure_topic(cs.service.kafka, topic, 1)
+    enc = ctl.sub_codec.encode
+    msgs = [bytes(enc({"subscribe_id": "ours", "time": i, "progressed": False, "diff": 1, "row": b"r%d" % i}))
+            for i in range(_SUB_CHUNK + 300)]
+    return cs, ctl.rooms.subscribes, topic, msgs
+
+
 class _Rejecting:
     """A producer whose message ``at`` (by produce call) is rejected by the broker (a definite
     error, ``NOT_ENOUGH_REPLICAS``: not appended), and so is every later one until the next
@@ -187,15 +200,8 @@ def test_a_chunk_the_broker_rejected_goes_on_with_the_same_producer_without_sett
     hold still; one with a report that may hide an append (a timeout) still takes the whole
     path: a new producer, the settle, the count. Either way the output holds every message
     once, in order."""
-    cs = controller_settings(stack)
-    ctl = Controller(cs)
-    room = ctl.rooms.subscribes
-    topic = f"sub-rej-{uuid.uuid4().hex[:8]}"
-    ensure_topic(cs.service.kafka, topic, 1)
-    enc = ctl.sub_codec.encode
-    n = _SUB_CHUNK + 300
-    msgs = [bytes(enc({"subscribe_id": "ours", "time": i, "progressed": False, "diff": 1, "row": b"r%d" % i}))
-            for i in range(n)]
+    cs, room, topic, msgs = _one_step(stack, "sub-rej")
+    n = len(msgs)
     made: list[_Rejecting] = []
 
     def room_producer() -> Any:
@@ -256,15 +262,8 @@ def test_a_count_whose_consumer_rewinds_takes_each_message_once_from_its_start(s
     once, in order."""
     from shared.io.kafka import new_consumer
 
-    cs = controller_settings(stack)
-    ctl = Controller(cs)
-    room = ctl.rooms.subscribes
-    topic = f"sub-rew-{uuid.uuid4().hex[:8]}"
-    ensure_topic(cs.service.kafka, topic, 1)
-    enc = ctl.sub_codec.encode
-    n = _SUB_CHUNK + 300
-    msgs = [bytes(enc({"subscribe_id": "ours", "time": i, "progressed": False, "diff": 1, "row": b"r%d" % i}))
-            for i in range(n)]
+    cs, room, topic, msgs = _one_step(stack, "sub-rew")
+    n = len(msgs)
 
     def room_producer() -> Any:
         return _Rejecting(Producer(cs.service.kafka.config(**{"enable.idempotence": True})), at=_SUB_CHUNK + 100)
