@@ -115,7 +115,8 @@ def read_ranges(
             consumer.resume(stale)
             known.difference_update(f"{_PAUSED}{tp.topic}\0{tp.partition}" for tp in stale)
         consumer.assign(tps)
-        known.update(f"{_PAUSED}{t}\0{p}" for t, p in _consume(consumer, states, schema, batch_size, timeout_s, skip, values_only))
+        known.update(f"{_PAUSED}{t}\0{p}" for t, p in _consume(consumer, states, schema, batch_size, timeout_s, skip, values_only,
+                                                                  fail_on_data_loss))
         consumer.unassign()  # stops fetching and drops what was prefetched beyond the ends
         pooled = give_back(pool_key, consumer, known)
     except KafkaAdapterError as e:
@@ -161,8 +162,12 @@ def _learn_topics(consumer: Any, known: set[str], topics: set[str], timeout_s: f
 
 
 def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.Schema, batch_size: int,
-             timeout_s: float, skip: Mapping[str, bytes], values_only: bool) -> list[tuple[str, int]]:
-    """Reads until every range is done; returns the partitions it paused."""
+             timeout_s: float, skip: Mapping[str, bytes], values_only: bool,
+             fail_on_data_loss: bool = True) -> list[tuple[str, int]]:
+    """Reads until every range is done; returns the partitions it paused. A record below a
+    range's next offset (one a pooled consumer fetched for an earlier assignment, or hands back
+    again) is not read twice; without ``fail_on_data_loss`` a reset to the earliest offset may
+    go below a range's start on purpose (a re-created topic), so there every record counts."""
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
     open_ = sum(1 for s in states.values() if not s.done)
@@ -215,6 +220,8 @@ def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.
                 finished.append(s)
                 continue
             off = int(m.offset() or 0)
+            if off < s.next_off and fail_on_data_loss:
+                continue
             if off >= s.r.end:
                 s.done = s.paused = True
                 finished.append(s)

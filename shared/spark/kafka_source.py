@@ -695,6 +695,8 @@ offsets saves a third of the per-record work)."""
                         )
                     raise translate(KafkaException(err), f"reading {topic}/{partition}")
                 off = int(m.offset() or 0)
+                if off < next_off and fail_on_data_loss:
+                    continue  # fetched for an earlier assignment, or again: read once, from start on
                 if off >= end:
                     done = True
                     break
