@@ -163,7 +163,7 @@ def _learn_topics(consumer: Any, known: set[str], topics: set[str], timeout_s: f
 
 def _consume(consumer: Any, states: dict[tuple[str, int], _Reading], schema: pa.Schema, batch_size: int,
              timeout_s: float, skip: Mapping[str, bytes], values_only: bool,
-             fail_on_data_loss: bool = True) -> list[tuple[str, int]]:
+             fail_on_data_loss: bool) -> list[tuple[str, int]]:
     """Reads until every range is done; returns the partitions it paused. A record below a
     range's next offset (one a pooled consumer fetched for an earlier assignment, or hands back
     again) is not read twice; without ``fail_on_data_loss`` a reset to the earliest offset may

@@ -24,6 +24,7 @@ from services.sinkio import ControlProducer
 from shared.devstack.embedded import EmbeddedStack
 from shared.io.kafka_admin import ensure_topic
 from tests.controller_fixture import controller_settings, read_subscribe
+from tests.kafka_fixture import RewindingConsumer
 
 
 class _InFlightLate:
@@ -232,26 +233,6 @@ def test_a_chunk_the_broker_rejected_goes_on_with_the_same_producer_without_sett
         assert (len(made), settles[0]) == (1, 0), "expected the same producer to go on, with no settle"
 
 
-class _Rewinding:
-    """A counting consumer that reads from the partition's start whatever offset it is
-    assigned (as a consumer does that resets its position to the earliest, or hands back
-    messages it fetched for an earlier assignment): the count must still take each message
-    once, and only from the offset it asked for."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.rewinds = 0
-
-    def assign(self, tps: list[Any]) -> None:
-        from confluent_kafka import TopicPartition
-
-        self.rewinds += 1
-        self.inner.assign([TopicPartition(tp.topic, tp.partition, 0) for tp in tps])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 @pytest.mark.timeout(300)
 def test_a_count_whose_consumer_rewinds_takes_each_message_once_from_its_start(stack: EmbeddedStack) -> None:
     """After a chunk the broker rejected in part, the room counts what landed from the chunk's
@@ -268,7 +249,7 @@ def test_a_count_whose_consumer_rewinds_takes_each_message_once_from_its_start(s
     def room_producer() -> Any:
         return _Rejecting(Producer(cs.service.kafka.config(**{"enable.idempotence": True})), at=_SUB_CHUNK + 100)
 
-    counter = _Rewinding(new_consumer(cs.service.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"}))
+    counter = RewindingConsumer(new_consumer(cs.service.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"}))
     room.new_output_producer = room_producer
     room._counter = counter
     try:

@@ -17,6 +17,7 @@ from shared.io.kafka import KafkaSettings
 from shared.spark.consumer_pool import close_pooled_consumers
 from shared.spark.kafka_ranges import Range, read_ranges
 from shared.spark.kafka_source import _arrow_schema, read_range
+from tests.kafka_fixture import RewindingConsumer
 from tests.spark.test_spark_kafka_source import create_topic, produce
 
 
@@ -147,25 +148,6 @@ def test_a_paused_partition_is_resumed_before_it_is_assigned_again(topics: tuple
     close_pooled_consumers()
 
 
-class _Rewinding:
-    """A pooled consumer that reads every partition it is assigned from offset 0, whatever
-    offset it was given (as librdkafka can hand back records fetched for an earlier
-    assignment, or fall back to its ``auto.offset.reset``)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.rewound = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def assign(self, tps: Any) -> None:
-        from confluent_kafka import TopicPartition
-
-        self.rewound += 1
-        self.inner.assign([TopicPartition(tp.topic, tp.partition, 0) for tp in tps])
-
-
 def test_records_below_a_range_are_never_read_into_it(topics: tuple[KafkaSettings, str, str]) -> None:
     """A pooled consumer that hands back records from below a range's start (or again) must not
     put them into the range: a write unit would absorb those updates twice. Both readers take
@@ -181,7 +163,7 @@ def test_records_below_a_range_are_never_read_into_it(topics: tuple[KafkaSetting
         else:
             list(read_range(settings, a, 0, 0, 5, values_only=True))
         (key, entries), = [(k, v) for k, v in cp._POOL.items() if v]
-        wrapped = [(_Rewinding(c), known) for c, known in entries]
+        wrapped = [(RewindingConsumer(c), known) for c, known in entries]
         cp._POOL[key] = list(wrapped)
         if reader == "read_ranges":
             got = read_ranges(settings, schema=SCHEMA, ranges=[Range(a, 0, 150, 180), Range(b, 0, 60, 100)],
@@ -193,7 +175,7 @@ def test_records_below_a_range_are_never_read_into_it(topics: tuple[KafkaSetting
                        for x in bt.to_pylist()]
             assert [x["offset"] for x in got_one] == list(range(150, 180)), reader
             assert [x["value"] for x in got_one] == [b"a0-%03d" % i for i in range(150, 180)], reader
-        assert sum(w.rewound for w, _ in wrapped) >= 1, f"expected {reader} to read with the rewinding consumer"
+        assert sum(w.rewinds for w, _ in wrapped) >= 1, f"expected {reader} to read with the rewinding consumer"
     close_pooled_consumers()
 
 
