@@ -384,6 +384,27 @@ class OffsetProbe:
             raise translate(KafkaException(tmd.error), f"listing partitions of topic {topic!r}")
         return sorted(tmd.partitions)
 
+    def partitions_of_many(self, topics: Iterable[str]) -> dict[str, list[int]]:
+        """The partition ids of each of ``topics`` that exists, sorted, from one metadata
+        request for every topic of the cluster (one request instead of one per topic); a topic
+        the broker does not know is left out. Raises for any other error of a topic asked for."""
+        try:
+            md = self._c().list_topics(timeout=self.timeout_s)
+        except KafkaException as e:
+            raise translate(e, "listing the cluster's topics") from e
+        out: dict[str, list[int]] = {}
+        for topic in topics:
+            tmd = md.topics.get(topic)
+            if tmd is None or tmd.error is not None and tmd.error.code() in (
+                KafkaError.UNKNOWN_TOPIC_OR_PART,
+                KafkaError._UNKNOWN_TOPIC,
+            ):
+                continue
+            if tmd.error is not None:
+                raise translate(KafkaException(tmd.error), f"listing partitions of topic {topic!r}")
+            out[topic] = sorted(tmd.partitions)
+        return out
+
     def watermarks(self, tps: Iterable[tuple[str, int]], earliest: bool = False) -> dict[tuple[str, int], int]:
         """ListOffsets (latest, or earliest) for many partitions in one request. Latest
         under-reports on Tansu: use :meth:`end_offsets` for the end."""

@@ -337,7 +337,22 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return parts
 
     def _tps(self, topics: Iterable[str]) -> list[tuple[str, int]]:
-        """Every partition of ``topics`` (:meth:`_parts`), as ``(topic, partition)``."""
+        """Every partition of ``topics`` (:meth:`_parts`), as ``(topic, partition)``. When
+        several topics' lists are due, one metadata request for the cluster's topics renews
+        them all (a shared source reads a topic per sink: at 100 sinks, one request per topic
+        every :data:`PARTITIONS_TTL_S` was 20 metadata requests a second per source)."""
+        topics = list(topics)
+        now = time.monotonic()
+        due = [t for t in dict.fromkeys(topics)
+               if (known := self._partitions.get(t)) is None or now - known[0] >= PARTITIONS_TTL_S]
+        if len(due) > 1:
+            found = self._p().partitions_of_many(due)
+            for t in due:
+                if t in found:
+                    self._partitions[t] = (now, found[t])
+                else:
+                    self._partitions.pop(t, None)  # not created yet: looked up again next time
+            return [(t, p) for t in topics for p in (self._partitions[t][1] if t in self._partitions else [])]
         return [(t, p) for t in topics for p in self._parts(t)]
 
     def latest_ends(self) -> Offsets:

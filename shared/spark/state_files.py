@@ -52,6 +52,10 @@ class WriterStateFiles:
         self._local: Path | None = None
         self._store: Any = None
         self._prefix = ""
+        #: per partition, ``(batch_id, versions)``: what the last load for that batch listed,
+        #: which that batch's save prunes from instead of listing again (an S3 LIST request on
+        #: an ``s3a://`` checkpoint)
+        self._listed: dict[int, tuple[int, list[int]]] = {}
         if u.scheme in ("", "file"):
             self._local = Path(u.path if u.scheme == "file" else self.checkpoint) / _DIR
         elif u.scheme in ("s3a", "s3"):
@@ -106,7 +110,9 @@ class WriterStateFiles:
     def load(self, wp: int, batch_id: int, decode: Any) -> tuple[int, Any] | None:
         """``(version, state)`` of the newest version of ``wp`` written before ``batch_id``
         (``decode(bytes)`` builds the state), None when there is none (a new partition)."""
-        older = [v for v in self.versions(wp) if v < batch_id]
+        listed = self.versions(wp)
+        self._listed[wp] = (batch_id, listed)
+        older = [v for v in listed if v < batch_id]
         if not older:
             return None
         version = older[-1]
@@ -120,6 +126,7 @@ class WriterStateFiles:
         partition, and a version an earlier attempt of the same micro-batch wrote (before the
         driver's step failed and the batch ran again) must not become the live one: the
         partition's next step starts from the version before the batch, with its input again."""
+        self._listed.pop(wp, None)
         if batch_id in self.versions(wp):
             self._delete(wp, batch_id)
         cached = _CACHE.get((self.checkpoint, wp))
@@ -132,5 +139,10 @@ class WriterStateFiles:
         kept for the next task of this partition in this process."""
         self._write(wp, batch_id, data)
         _CACHE[(self.checkpoint, wp)] = (batch_id, state)
-        for v in self.versions(wp)[:-KEEP]:
+        # One task at a time runs a partition's batch, so what this batch's load listed, with
+        # the version just written, is what storage holds (a version gone since only makes the
+        # delete below a no-op; one written since is newer, so never one deleted here).
+        listed = self._listed.pop(wp, None)
+        versions = sorted({*listed[1], batch_id}) if listed is not None and listed[0] == batch_id else self.versions(wp)
+        for v in versions[:-KEEP]:
             self._delete(wp, v)

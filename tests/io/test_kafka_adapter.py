@@ -99,6 +99,20 @@ def test_partitions_of_lists_every_partition_and_unknown_topic_is_typed(
         partitions_of(s, f"missing-{unique_id}")
 
 
+def test_partitions_of_many_lists_every_topic_in_one_request_and_leaves_unknown_ones_out(
+    stack: EmbeddedStack, unique_id: str
+) -> None:
+    """The partitions of several topics from one metadata request for the cluster's topics:
+    each existing topic's partitions, sorted, and a topic the broker does not know left out
+    (not an error: a source looks it up again later)."""
+    a, b, missing = f"many-a-{unique_id}", f"many-b-{unique_id}", f"many-missing-{unique_id}"
+    create_topic(stack.bootstrap_servers, a, 3)
+    create_topic(stack.bootstrap_servers, b, 1)
+    with OffsetProbe(KafkaSettings.of(stack.bootstrap_servers)) as probe:
+        assert probe.partitions_of_many([a, missing, b]) == {a: [0, 1, 2], b: [0]}
+        assert probe.partitions_of_many([missing]) == {}
+
+
 def test_end_offsets_count_every_record_of_the_last_batch(
     stack: EmbeddedStack, unique_id: str
 ) -> None:

@@ -400,6 +400,45 @@ def test_the_source_looks_a_topics_partitions_up_again_after_the_ttl(monkeypatch
     assert asked == ["a", "b", "b", "a"]
 
 
+def test_the_source_renews_many_topics_partition_lists_with_one_request(monkeypatch: Any) -> None:
+    """A shared source reads a topic per sink: when several topics' partition lists are due,
+    one metadata request for the cluster's topics renews them all (not one request per topic);
+    a topic that does not exist yet has no partitions and is asked for again at the next look;
+    lists still fresh are not asked for; partitions added are seen once the lists are due."""
+    from shared.spark import kafka_source
+    from shared.spark.kafka_connector import KafkaDataSource
+    from shared.io.kafka import OffsetProbe
+
+    clock = frozen_monotonic(monkeypatch)
+    broker: dict[str, list[int]] = {"a": [0], "b": [0, 1]}
+    many: list[list[str]] = []
+    one: list[str] = []
+
+    def partitions_of_many(self: OffsetProbe, topics: Any) -> dict[str, list[int]]:
+        topics = list(topics)
+        many.append(topics)
+        return {t: list(broker[t]) for t in topics if t in broker}
+
+    def partitions_of(self: OffsetProbe, topic: str) -> list[int]:
+        one.append(topic)
+        return list(broker[topic])
+
+    monkeypatch.setattr(OffsetProbe, "partitions_of_many", partitions_of_many)
+    monkeypatch.setattr(OffsetProbe, "partitions_of", partitions_of)
+    r = stream_reader("127.0.0.1:9", ("shardsink-kafka", KafkaDataSource, {}), ["a", "b", "c"])
+    assert r._tps(["a", "b", "c"]) == [("a", 0), ("b", 0), ("b", 1)]
+    assert many == [["a", "b", "c"]] and one == []
+    broker["c"], broker["a"] = [0], [0, 1]
+    clock[0] += kafka_source.PARTITIONS_TTL_S / 2
+    # a and b are fresh; c alone is due: asked for by itself, and found now
+    assert r._tps(["a", "b", "c"]) == [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
+    assert many == [["a", "b", "c"]] and one == ["c"]
+    clock[0] += kafka_source.PARTITIONS_TTL_S / 2
+    # a and b are due (c is not yet): one request renews both, and a's new partition shows
+    assert r._tps(["a", "b", "c"]) == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0)]
+    assert many == [["a", "b", "c"], ["a", "b"]] and one == ["c"]
+
+
 def test_latest_offset_holds_the_query_while_the_brokers_cannot_be_reached(monkeypatch: Any) -> None:
     """Issue 32: a ``latestOffset`` whose look at the brokers fails because they cannot be
     reached (a network partition) or time out answers its start (no micro-batch) after a short

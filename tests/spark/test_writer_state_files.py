@@ -83,6 +83,39 @@ def test_state_versions_on_an_s3a_checkpoint(stack: EmbeddedStack, unique_id: st
     ]
 
 
+def test_a_save_prunes_from_what_its_batchs_load_listed(tmp_path: Path, monkeypatch: Any) -> None:
+    """A unit lists its partition's versions once: the save of the batch its load listed prunes
+    from that listing and the version it wrote (one LIST request fewer per unit on an ``s3a://``
+    checkpoint), keeping the newest KEEP exactly as a fresh listing would; a save with no load of
+    its batch before it (or after a discard) lists again."""
+    files = WriterStateFiles(str(tmp_path / "ck"))
+    for v in range(1, KEEP + 2):
+        files.save(0, v, f"v{v}".encode(), {"from": f"v{v}"})
+    assert files.versions(0) == list(range(2, KEEP + 2))
+    listings: list[int] = []
+    real = WriterStateFiles.versions
+
+    def counted(self: WriterStateFiles, wp: int) -> list[int]:
+        listings.append(wp)
+        return real(self, wp)
+
+    monkeypatch.setattr(WriterStateFiles, "versions", counted)
+    nxt = KEEP + 2
+    assert files.load(0, nxt, decode) == (KEEP + 1, {"from": f"v{KEEP + 1}"})
+    files.save(0, nxt, b"new", {"from": "new"})
+    assert listings == [0]  # the load's listing served the save
+    assert real(files, 0) == list(range(nxt - KEEP + 1, nxt + 1))
+    # A save of another batch than the one loaded, and a save after a discard, list again.
+    files.load(0, nxt + 1, decode)
+    files.save(0, nxt + 2, b"later", {"from": "later"})
+    assert listings == [0, 0, 0]
+    files.load(0, nxt + 3, decode)
+    files.discard(0, nxt + 3)
+    files.save(0, nxt + 3, b"again", {"from": "again"})
+    assert listings == [0, 0, 0, 0, 0, 0]
+    assert real(files, 0) == [nxt, nxt + 2, nxt + 3][-KEEP:]
+
+
 def test_an_unsupported_checkpoint_scheme_is_refused() -> None:
     with pytest.raises(ValueError, match="hdfs://nn/x"):
         WriterStateFiles("hdfs://nn/x")
