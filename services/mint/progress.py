@@ -22,7 +22,15 @@ from services.sinkio import (
     desired_prefixes,
 )
 
-#: The first window :func:`read_latest_progress` reads back from a range's end.
+#: The first window :func:`read_latest_progress` reads back from a range's end: the range's
+#: last record alone. A producer sends a step's updates, then its progress statement
+#: (:class:`shared.io.desired_producer.DesiredProducer` flushes the updates first), so the last
+#: record is most often the statement, in a batch of its own; a fetch from it returns that
+#: batch alone, where a wider window returns the step's batch of updates too (measured on the
+#: embedded broker, 80 partitions with 25 updates and a statement each: 30 against 50 ms of
+#: the broker's CPU and 18 against 26 ms of the reader's per read).
+LATEST_PROGRESS_FIRST = 1
+#: The window read after a first one without a statement (then 4x each time).
 LATEST_PROGRESS_WINDOW = 512
 
 
@@ -31,7 +39,8 @@ def read_latest_progress(
 ) -> pa.Table:
     """The records of ``topic``/``partition`` in ``[start, end)`` that mint needs: its
     latest progress statement, read from the end of the range backwards in growing windows
-    (:data:`LATEST_PROGRESS_WINDOW`, then 4x each time) until a window holds one, rather than
+    (the last record, :data:`LATEST_PROGRESS_FIRST`; then :data:`LATEST_PROGRESS_WINDOW`, then 4x
+    each time) until a window holds one, rather than
     every record of the range: a partition's progress only moves forward
     (:class:`shared.desired.DesiredFrontierTracker` ignores a regression), so the last
     statement of the range is the one that counts, and the updates before it are the write
@@ -112,7 +121,7 @@ def _progress_windows(
     schema = _arrow_schema()
     out: list[list[tuple[pa.Table, list[int]]]] = [[] for _ in ranges]
     errors: dict[int, Exception] = {}
-    todo = {i: (r[3], LATEST_PROGRESS_WINDOW) for i, r in enumerate(ranges) if r[3] > r[2]}  # the window's end, size
+    todo = {i: (r[3], LATEST_PROGRESS_FIRST) for i, r in enumerate(ranges) if r[3] > r[2]}  # the window's end, size
     while todo:
         idx = sorted(todo)
         specs = [Range(ranges[i][0], ranges[i][1], max(ranges[i][2], todo[i][0] - todo[i][1]), todo[i][0]) for i in idx]
@@ -136,7 +145,7 @@ def _progress_windows(
                 if offsets:
                     continue
             if r.start > ranges[i][2]:
-                more[i] = (r.start, todo[i][1] * 4)
+                more[i] = (r.start, LATEST_PROGRESS_WINDOW if todo[i][1] < LATEST_PROGRESS_WINDOW else todo[i][1] * 4)
         todo = more
     return out, errors
 

@@ -88,8 +88,10 @@ def test_the_tail_read_learns_the_same_frontier_as_reading_every_record(
 def test_the_tail_read_reads_a_few_windows_not_the_range(
     history: tuple[KafkaSettings, str, list[bytes]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Records the broker hands out, counted at the ranges reader: the closing statement sits
-    10 records before the end, so one window of the default size finds it."""
+    """Records the broker hands out, counted at the ranges reader: a range that ends with its
+    statement (a producer's step) is read as its last record alone; the closing statement sits
+    10 records before the end, so the last record and then one window of the default size find
+    it."""
     kafka, topic, values = history
     n = len(values)
     windows: list[tuple[int, int]] = []
@@ -102,14 +104,18 @@ def test_the_tail_read_reads_a_few_windows_not_the_range(
         return orig(k, ranges, **kw)
 
     monkeypatch.setattr(kr, "read_ranges", counting)
+    tail = read_latest_progress(kafka, topic, 0, 0, n - 10, UPDATE_PREFIX)  # ends with the closing statement
+    assert windows == [(n - 11, n - 10)]
+    assert frontier_of(tail, topic) == Frontier.empty()
+    windows.clear()
     tail = read_latest_progress(kafka, topic, 0, 0, n, UPDATE_PREFIX)
-    assert windows == [(n - progress.LATEST_PROGRESS_WINDOW, n)]
+    assert windows == [(n - 1, n), (n - 1 - progress.LATEST_PROGRESS_WINDOW, n - 1)]
     assert frontier_of(tail, topic) == Frontier.empty()
     # The stretch of 3,000 updates without a statement: windows grow until one holds it.
     windows.clear()
     read_latest_progress(kafka, topic, 0, 0, n - 11, UPDATE_PREFIX)
     sizes = [hi - lo for lo, hi in windows]
-    assert sizes[0] == progress.LATEST_PROGRESS_WINDOW and all(b == 4 * a for a, b in zip(sizes, sizes[1:-1]))
+    assert sizes[:2] == [1, progress.LATEST_PROGRESS_WINDOW] and all(b == 4 * a for a, b in zip(sizes[1:], sizes[2:-1]))
     assert windows[0][1] == n - 11 and all(w[1] == v[0] for v, w in zip(windows, windows[1:]))
     assert sum(sizes) < n - 11
 
