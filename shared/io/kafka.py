@@ -372,17 +372,12 @@ class OffsetProbe:
             md = self._c().list_topics(topic=topic, timeout=self.timeout_s)
         except KafkaException as e:
             raise translate(e, f"listing partitions of topic {topic!r}") from e
-        tmd = md.topics.get(topic)
-        if tmd is None or tmd.error is not None and tmd.error.code() in (
-            KafkaError.UNKNOWN_TOPIC_OR_PART,
-            KafkaError._UNKNOWN_TOPIC,
-        ):
+        parts = _partitions_in(md, topic)
+        if parts is None:
             raise UnknownTopicError(
                 f"expected topic {topic!r} to exist, found it unknown to the broker", topic=topic
             )
-        if tmd.error is not None:
-            raise translate(KafkaException(tmd.error), f"listing partitions of topic {topic!r}")
-        return sorted(tmd.partitions)
+        return parts
 
     def partitions_of_many(self, topics: Iterable[str]) -> dict[str, list[int]]:
         """The partition ids of each of ``topics`` that exists, sorted, from one metadata
@@ -392,18 +387,8 @@ class OffsetProbe:
             md = self._c().list_topics(timeout=self.timeout_s)
         except KafkaException as e:
             raise translate(e, "listing the cluster's topics") from e
-        out: dict[str, list[int]] = {}
-        for topic in topics:
-            tmd = md.topics.get(topic)
-            if tmd is None or tmd.error is not None and tmd.error.code() in (
-                KafkaError.UNKNOWN_TOPIC_OR_PART,
-                KafkaError._UNKNOWN_TOPIC,
-            ):
-                continue
-            if tmd.error is not None:
-                raise translate(KafkaException(tmd.error), f"listing partitions of topic {topic!r}")
-            out[topic] = sorted(tmd.partitions)
-        return out
+        found = {topic: _partitions_in(md, topic) for topic in topics}
+        return {topic: parts for topic, parts in found.items() if parts is not None}
 
     def watermarks(self, tps: Iterable[tuple[str, int]], earliest: bool = False) -> dict[tuple[str, int], int]:
         """ListOffsets (latest, or earliest) for many partitions in one request. Latest
@@ -569,6 +554,20 @@ class OffsetProbe:
             except KafkaException:
                 pass
         return found
+
+
+def _partitions_in(md: Any, topic: str) -> list[int] | None:
+    """The sorted partition ids of ``topic`` in the cluster metadata ``md``; None when the
+    broker does not know it. Raises for any other error of the topic."""
+    tmd = md.topics.get(topic)
+    if tmd is None or tmd.error is not None and tmd.error.code() in (
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+    ):
+        return None
+    if tmd.error is not None:
+        raise translate(KafkaException(tmd.error), f"listing partitions of topic {topic!r}")
+    return sorted(tmd.partitions)
 
 
 def partitions_of(settings: KafkaSettings, topic: str, timeout_s: float = 30.0) -> list[int]:
