@@ -61,6 +61,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Ports :func:`late_bound_port` handed out in this process (never one twice).
+_HANDED_OUT: set[int] = set()
+
+
+def late_bound_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on, for a process that binds it later (a
+    service's metrics endpoint, tens of seconds after its start): chosen below the kernel's
+    ephemeral range (``ip_local_port_range``), which no outbound connection's local port and no
+    bind of port 0 comes from. A port from :func:`free_port` is in that range, and another
+    socket of the machine can take it before the caller binds it ("Address already in use"),
+    as a compose test's mint did once. Never the same port twice in a process."""
+    import random
+
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(max(1024, low - 16000), low)
+        if port in _HANDED_OUT or port_in_use(port, host):
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, port))
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise EmbeddedStackError(f"expected a free port below {low} on {host}, found none in 500 tries")
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """Whether something listens on (or holds) ``host:port`` already."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

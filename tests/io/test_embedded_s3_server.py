@@ -114,3 +114,21 @@ def test_the_embedded_server_counts_the_requests_it_answers_by_kind(tmp_path: An
     finally:
         s3.stop()
     assert counts_since(before, after) == {"PUT part": 1, "PUT state": 1, "GET state": 2, "PUT hint": 1}
+
+
+def test_a_late_bound_port_is_free_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    """A port chosen for a process that binds it later (a service's metrics endpoint) lies below
+    the kernel's ephemeral range, where no outbound connection's local port or bind of port 0
+    can take it meanwhile; one process never gets the same port twice, and each can be bound."""
+    import socket
+
+    from shared.devstack.embedded import late_bound_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [late_bound_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports)
+    for p in ports[:5]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))

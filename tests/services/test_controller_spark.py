@@ -43,7 +43,7 @@ import pytest
 from services.runtime.settings import ServiceSettings
 from services.controller.subscribes import SubscribesRoom, encode_changes
 from shared.codec import RowCodec, message_codec
-from shared.devstack.embedded import EmbeddedStack, SparkStandalone, free_port
+from shared.devstack.embedded import EmbeddedStack, SparkStandalone, late_bound_port
 from shared.frontier import Frontier
 from shared.io.controller_client import ControllerClient, body_kind
 from shared.io.kafka_admin import ensure_topic
@@ -96,7 +96,7 @@ class SparkController:
 def controller(stack: EmbeddedStack, standalone_cluster: SparkStandalone,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkController]:
     u = uuid.uuid4().hex[:10]
-    port = free_port()
+    port = late_bound_port()
     env = {
         **os.environ,
         **stack.env(),

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.runtime.settings import REQUIRED_ENV, ServiceSettings, is_known_env
-from shared.devstack.embedded import EmbeddedStack, SparkStandalone, free_port
+from shared.devstack.embedded import EmbeddedStack, SparkStandalone, late_bound_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -427,14 +427,14 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
         ensure_topic(settings.kafka, t, 1)
     spark = spark_services(compose())
     cluster_procs: list[subprocess.Popen[bytes]] = []
-    master_port, master_ui = free_port(), free_port()
+    master_port, master_ui = late_bound_port(), late_bound_port()
     master_url = f"spark://127.0.0.1:{master_port}"
     spark_class = SparkStandalone.spark_class()
 
     def local(cmd: list[str], name: str) -> list[str]:
         """A compose Spark command with the hosts, ports and paths of this machine."""
         out = [spark_class if c == "spark-class" else c for c in cmd]
-        for flag, value in (("--host", "127.0.0.1"), ("--port", str(master_port)), ("--webui-port", str(master_ui if "Master" in out[1] else free_port())),
+        for flag, value in (("--host", "127.0.0.1"), ("--port", str(master_port)), ("--webui-port", str(master_ui if "Master" in out[1] else late_bound_port())),
                             ("--work-dir", str(tmp_path / f"{name}-work"))):
             if flag in out:
                 out[out.index(flag) + 1] = value
@@ -469,7 +469,7 @@ def test_compose_commands_run_the_sink_against_the_embedded_stack(stack: Embedde
                 # test_compose_controller_runs_its_jobs_on_a_standalone_cluster: here its work is
                 # small and stays in its process.
                 env["SHARDSINK_CONTROLLER_SPARK_MASTER"] = ""
-            ports[name] = free_port()
+            ports[name] = late_bound_port()
             env["SHARDSINK_METRICS_PORT"] = str(ports[name])
             env["SHARDSINK_CATALOG_POLL_MS"] = "300"
             cmd = [sys.executable if c == "python" else c for c in svc["command"]]
@@ -558,7 +558,7 @@ def test_compose_controller_runs_its_jobs_on_a_standalone_cluster(
         "SHARDSINK_CONTROLLER_SPARK_MASTER": standalone_cluster.master_url,
         "PYSPARK_SUBMIT_ARGS": deployed["PYSPARK_SUBMIT_ARGS"].replace("spark.driver.host=controller", "spark.driver.host=127.0.0.1"),
         "SPARK_LOCAL_IP": "127.0.0.1",
-        "SHARDSINK_METRICS_PORT": str(free_port()),
+        "SHARDSINK_METRICS_PORT": str(late_bound_port()),
         # This test's own catalog and command topics on the shared stack; every merge and peek
         # on Spark (compose's threshold keeps small work in the controller's process).
         "SHARDSINK_S3_PREFIX": f"deploy-ctl-{unique_id}",
