@@ -657,6 +657,28 @@ def u64(v: int | None) -> int | None:
     return None if v is None else v & (2**64 - 1)
 
 
+class Delivery:
+    """One message's delivery (:meth:`ControlProducer.send_tracked`): set by librdkafka's
+    callback, which a flush or poll of the producer serves."""
+
+    __slots__ = ("deadline", "done", "error")
+
+    def __init__(self, deadline: float) -> None:
+        #: ``time.monotonic()`` after which :meth:`ControlProducer.settle` stops waiting for it
+        self.deadline = deadline
+        self.done = threading.Event()
+        self.error: Any = None
+
+    def __call__(self, err: Any, _msg: Any) -> None:
+        self.error = err
+        self.done.set()
+
+    @property
+    def ok(self) -> bool:
+        """Acknowledged by the broker."""
+        return self.done.is_set() and self.error is None
+
+
 class ControlProducer:
     """Produces control messages (descs, batches, frontiers) from a driver; :meth:`flush` is
     called before the micro-batch that decided them commits, and raises if any failed."""
@@ -711,27 +733,35 @@ class ControlProducer:
         this producer): True when the broker acknowledged it within ``timeout_s``, False when
         it failed, was not produced or is still pending (it may land later: a caller that sends
         it again makes a duplicate its readers must accept)."""
+        d = self.send_tracked(topic, value, key, timeout_s)
+        if d is None:
+            return False
+        self.settle([d])
+        return d.ok
+
+    def send_tracked(self, topic: str, value: bytes, key: bytes | None = None, timeout_s: float = 5.0) -> Delivery | None:
+        """Produce one message without waiting for it, from any thread: its :class:`Delivery`
+        (given ``timeout_s`` from now; :meth:`settle` waits for it), None when it could not be
+        produced."""
         import logging
 
         from confluent_kafka import KafkaException
 
-        done = threading.Event()
-        failed: list[Any] = []
-
-        def on_delivery(err: Any, _msg: Any) -> None:
-            if err is not None:
-                failed.append(err)
-            done.set()
-
+        d = Delivery(time.monotonic() + timeout_s)
         try:
-            self.producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+            self.producer.produce(topic, value=value, key=key, on_delivery=d)
         except (BufferError, KafkaException, ValueError) as e:
             logging.getLogger("shardsink.kafka").warning("could not produce to %s: %s", topic, e)
-            return False
-        deadline = time.monotonic() + timeout_s
-        while not done.is_set() and time.monotonic() < deadline:
-            self.producer.flush(0.05)  # serves the callbacks of every thread's messages
-        return done.is_set() and not failed
+            return None
+        return d
+
+    def settle(self, deliveries: Sequence[Delivery]) -> None:
+        """Wait until each delivery is acknowledged, has failed or is past its deadline (the
+        callbacks of those done already are served first, whatever their deadline)."""
+        self.producer.poll(0)
+        for d in deliveries:
+            while not d.done.is_set() and time.monotonic() < d.deadline:
+                self.producer.flush(0.05)  # serves the callbacks of every thread's messages
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every message sent is delivered: :class:`KafkaTimeoutError` when some

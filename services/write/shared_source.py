@@ -18,8 +18,10 @@ each unit runs the write step of :mod:`services.write.executor` on its own rows 
 per-sink query does, with its state versioned by
 the shared query's micro-batch ids under the sink's own folder. A unit that fails yields a
 ``fail`` row instead of failing the task: one sink's failure is that sink's alone. A unit that
-succeeds produces its report to ``batches`` itself, after its state version is written, and
-its row says so (:data:`REPORTED`); the driver produces a report the unit could not deliver.
+succeeds produces its report to ``batches`` itself, after its state version is written, and its
+thread goes on to its next unit; the task awaits its units' deliveries once, at its end, and a
+delivered report's row says so (:data:`REPORTED`); the driver produces a report the unit could
+not deliver.
 
 Replays. A failed unit saved no state version, so the next unit of that writer partition
 loads the version before it; its input must come again. The driver records, per failed unit,
@@ -103,8 +105,9 @@ ADMIT_ALL_EVERY_S = 20.0
 PREFETCH_RECORDS = 200_000
 #: Threads a task runs its sinks' units on (their time is mostly S3 and Kafka round trips).
 UNIT_THREADS = 4
-#: A unit's reports are produced by its thread as it ends, and delivered within this long;
-#: the driver produces those that were not (after the micro-batch's tasks, as before).
+#: A unit's reports are produced by its thread as it ends, and delivered within this long
+#: (awaited once for all the task's units, at its end); the driver produces those that were
+#: not (after the micro-batch's tasks, as before).
 REPORT_DELIVERY_S = 5.0
 #: The kind of an output row whose report the executor produced (the driver keeps its metrics).
 REPORTED = "reported"
@@ -347,10 +350,10 @@ class WriteFleetReader(FleetStreamReader):
         assert isinstance(partition, UnitsPartition)
         batch_id = _batch_id()
 
-        def run(units: list[WriteUnit], inputs: Mapping[int, Any]) -> list[pa.RecordBatch]:
-            return [b for u in units for b in self._run_unit(u, batch_id, inputs[id(u)], decoded.get(id(u)))]
+        def run(units: list[WriteUnit], inputs: Mapping[int, Any]) -> list[_Output]:
+            return [o for u in units for o in self._start_unit(u, batch_id, inputs[id(u)], decoded.get(id(u)))]
 
-        out: list[pa.RecordBatch] = []
+        out: list[_Output] = []
         for wave in _waves(partition.units):
             inputs = self._prefetch(wave)
             decoded = _decode_together(wave, inputs)
@@ -358,8 +361,10 @@ class WriteFleetReader(FleetStreamReader):
             for u in wave:
                 groups.setdefault(u.key, []).append(u)
             results = _UNIT_POOL.map(lambda g: run(g, inputs), list(groups.values()))
-            out.extend(b for r in results for b in r)
-        return iter(out)
+            out.extend(o for r in results for o in r)
+        # The reports went out as their units ended; their deliveries are awaited once, here,
+        # so that a unit's thread goes on to its next unit instead of waiting for the broker.
+        return iter([o.settled() for o in out])
 
     def _prefetch(self, units: Sequence[WriteUnit]) -> dict[int, list[pa.RecordBatch] | Exception]:
         """The units' desired ranges, read together (:func:`shared.spark.kafka_ranges.read_ranges`:
@@ -393,7 +398,13 @@ class WriteFleetReader(FleetStreamReader):
 
     def _run_unit(self, u: WriteUnit, batch_id: int, got: list[pa.RecordBatch] | Exception,
                   decoded: pa.RecordBatch | None = None) -> list[pa.RecordBatch]:
-        """Unit ``u``'s write step on its input ``got`` (decoded already: ``decoded``)."""
+        """Unit ``u``'s write step on its input ``got`` (decoded already: ``decoded``): its
+        output rows, once its reports' deliveries are known."""
+        return [o.settled() for o in self._start_unit(u, batch_id, got, decoded)]
+
+    def _start_unit(self, u: WriteUnit, batch_id: int, got: list[pa.RecordBatch] | Exception,
+                    decoded: pa.RecordBatch | None = None) -> list[_Output]:
+        """Unit ``u``'s write step, its reports produced but their deliveries not awaited."""
         job = u.job
         try:
             if isinstance(got, Exception):
@@ -417,8 +428,8 @@ class WriteFleetReader(FleetStreamReader):
                 "descs": [[p, o, base64.b64encode(v).decode()] for p, o, v in u.descs],
             }
             row = {"sink": u.key, "wp": u.wp, "kind": "fail", "body": json.dumps(body)}
-            return [pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA)]
-        return [_with_sink(_produce_reports(job, b), u.key) for b in out if b.num_rows]
+            return [_Output(pa.RecordBatch.from_pylist([row], schema=SHARED_OUTPUT_SCHEMA))]
+        return [_send_reports(job, b, u.key) for b in out if b.num_rows]
 
 
 def _unit_input(u: WriteUnit, got: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -533,28 +544,58 @@ class _ReportProducer:
             return p
 
 
-def _produce_reports(job: WriteJob, b: pa.RecordBatch) -> pa.RecordBatch:
-    """A unit's output with its reports produced here, as the unit ends (:data:`REPORTED`):
-    the sink's append need not wait for the other units of the task and the micro-batch. A
-    report that could not be delivered in time stays a ``report`` row, which the driver
-    produces before the micro-batch commits, as before. A report produced here by an attempt
-    whose micro-batch then fails is one more report of the partition for its description: the
-    appender takes one per partition per description, as from a racing replica or a driver's
-    flush before a failed commit (:mod:`services.write.service`, "Recovery")."""
+class _Output:
+    """A unit's output rows, and the deliveries of the reports among them that its executor
+    produced (None: not produced here; the row stays a ``report`` for the driver)."""
+
+    def __init__(self, rows: pa.RecordBatch, key: str | None = None, producer: Any = None,
+                 deliveries: Sequence[Any] = ()) -> None:
+        self.rows = rows
+        self.key = key
+        self.producer = producer
+        self.deliveries = list(deliveries)
+
+    def settled(self) -> pa.RecordBatch:
+        """The rows (with the sink's key, when made here) once each delivery is known: a report
+        the broker acknowledged is :data:`REPORTED`, one still pending or failed stays a
+        ``report``."""
+        b = self.rows
+        if self.producer is not None:
+            self.producer.settle([d for d in self.deliveries if d is not None])
+            kinds = b.column(1).to_pylist()
+            out = [REPORTED if d is not None and d.ok else k for k, d in zip(kinds, self.deliveries, strict=True)]
+            if out != kinds:
+                b = pa.RecordBatch.from_arrays([b.column(0), pa.array(out, pa.string()), b.column(2)], schema=b.schema)
+        return b if self.key is None else _with_sink(b, self.key)
+
+
+def _send_reports(job: WriteJob, b: pa.RecordBatch, key: str | None = None) -> _Output:
+    """A unit's output with its reports produced here, as the unit ends (:data:`REPORTED` once
+    delivered, :meth:`_Output.settled`): the sink's append need not wait for the other units
+    of the task and the micro-batch. A report not delivered within :data:`REPORT_DELIVERY_S`
+    stays a ``report`` row, which the driver produces before the micro-batch commits, as
+    before. A report produced here by an attempt whose micro-batch then fails is one more
+    report of the partition for its description: the appender takes one per partition per
+    description, as from a racing replica or a driver's flush before a failed commit
+    (:mod:`services.write.service`, "Recovery")."""
     kinds = b.column(1).to_pylist()
     if "report" not in kinds:
-        return b
+        return _Output(b, key)
     try:
         producer = _ReportProducer.of(job.settings.kafka)
     except Exception as e:  # noqa: BLE001 - the driver produces them
         log.warning("could not make the executor's report producer (the driver produces the reports): %s", e)
-        return b
-    key = job.sink.sink_id.encode()
-    out = [REPORTED if k == "report" and producer.deliver(job.settings.batches_topic, report_message(body), key, REPORT_DELIVERY_S)
-           else k for k, body in zip(kinds, b.column(2).to_pylist(), strict=True)]
-    if out == kinds:
-        return b
-    return pa.RecordBatch.from_arrays([b.column(0), pa.array(out, pa.string()), b.column(2)], schema=b.schema)
+        return _Output(b, key)
+    sink = job.sink.sink_id.encode()
+    sent = [producer.send_tracked(job.settings.batches_topic, report_message(body), sink, REPORT_DELIVERY_S)
+            if k == "report" else None for k, body in zip(kinds, b.column(2).to_pylist(), strict=True)]
+    return _Output(b, key, producer, sent)
+
+
+def _produce_reports(job: WriteJob, b: pa.RecordBatch) -> pa.RecordBatch:
+    """A unit's output with its reports produced and their deliveries awaited
+    (:func:`_send_reports`)."""
+    return _send_reports(job, b).settled()
 
 
 def _with_sink(b: pa.RecordBatch, key: str) -> pa.RecordBatch:

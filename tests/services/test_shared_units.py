@@ -262,6 +262,56 @@ def test_a_report_the_executor_cannot_deliver_is_left_to_the_driver(monkeypatch)
     assert wss._produce_reports(job, rows).column(1).to_pylist() == ["report", "stats"]  # type: ignore[arg-type]
 
 
+def test_a_unit_s_thread_does_not_wait_for_its_report_the_task_settles_every_delivery_once(monkeypatch) -> None:
+    """A unit's reports are produced as it ends and its thread goes on (to its next unit): the
+    delivery is awaited once for the task's units, at the task's end. No broker answers here,
+    so the delivery is still pending when the unit's output comes back, and the settled row
+    stays a ``report`` for the driver, with the sink's key."""
+    from types import SimpleNamespace
+
+    from services.runtime.settings import ServiceSettings
+    from services.write import shared_source as wss
+    from shared.catalog import SinkDef
+
+    monkeypatch.setattr(wss, "REPORT_DELIVERY_S", 1.0)
+    settings = ServiceSettings.from_env_and_args(None, {"SHARDSINK_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    job = SimpleNamespace(sink=SinkDef("s9", "d9", "c9", epoch=1), settings=settings)
+    out = wss._send_reports(job, _report_rows("s9"), "s9@1")  # type: ignore[arg-type]
+    [pending] = [d for d in out.deliveries if d is not None]
+    assert not pending.done.is_set()  # produced, not awaited
+    settled = out.settled()
+    assert settled.column("kind").to_pylist() == ["report", "stats"]
+    assert settled.column("sink").to_pylist() == ["s9@1", "s9@1"]
+    assert not pending.ok
+
+
+def test_settling_serves_a_delivery_past_its_deadline_that_the_broker_acknowledged(stack) -> None:
+    """A task's first reports may be past their deadline by the task's end: their callbacks are
+    served before the deadline counts, so an acknowledged report is not left to the driver (a
+    second copy)."""
+    import time
+    import uuid
+
+    from services.sinkio import ControlProducer
+    from shared.io.kafka import KafkaSettings, OffsetProbe
+    from shared.io.kafka_admin import ensure_topic
+
+    kafka = KafkaSettings(stack.bootstrap_servers)
+    topic = f"settle-{uuid.uuid4().hex[:8]}"
+    ensure_topic(kafka, topic, 1)
+    producer = ControlProducer.create(kafka, "settle-test")
+    d = producer.send_tracked(topic, b"report", b"k", timeout_s=0.0)
+    assert d is not None
+    probe = OffsetProbe(kafka)
+    deadline = time.monotonic() + 60
+    while probe.end_offsets(topic).get(0, 0) < 1:
+        assert time.monotonic() < deadline, "the record never reached the broker"
+        time.sleep(0.05)
+    assert not d.done.is_set()  # nobody served the callback yet
+    producer.settle([d])
+    assert d.ok
+
+
 def test_the_driver_counts_a_report_its_executor_produced_and_does_not_send_it_again() -> None:
     import pyarrow as pa
 
