@@ -728,17 +728,6 @@ class ControlProducer:
             except BufferError:
                 self.producer.poll(0.05)
 
-    def deliver(self, topic: str, value: bytes, key: bytes | None = None, timeout_s: float = 5.0) -> bool:
-        """Produce one message and wait for its own delivery, from any thread (several may share
-        this producer): True when the broker acknowledged it within ``timeout_s``, False when
-        it failed, was not produced or is still pending (it may land later: a caller that sends
-        it again makes a duplicate its readers must accept)."""
-        d = self.send_tracked(topic, value, key, timeout_s)
-        if d is None:
-            return False
-        self.settle([d])
-        return d.ok
-
     def send_tracked(self, topic: str, value: bytes, key: bytes | None = None, timeout_s: float = 5.0) -> Delivery | None:
         """Produce one message without waiting for it, from any thread: its :class:`Delivery`
         (given ``timeout_s`` from now; :meth:`settle` waits for it), None when it could not be

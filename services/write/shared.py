@@ -6,7 +6,7 @@ The driver's step per micro-batch: set the batch id as the job's local property,
 :class:`services.write.driver.SinkWriter` (metrics, health, and the reports the executors
 could not deliver, produced and flushed before Spark commits the micro-batch), as a per-sink
 query's driver does. Each unit's report is produced by its executor as the unit ends
-(:func:`services.write.shared_source._produce_reports`): at 100 sinks a report waited
+(:func:`services.write.shared_source._send_reports`): at 100 sinks a report waited
 0.6-0.7 s (p50) for the rest of the micro-batch's units when the driver produced them all.
 The per-sink contract of :mod:`services.write.service` is unchanged; a sink's state versions live under its
 own folder (:func:`services.runtime.fleet.sink_state_dir`), numbered by the shared query's
