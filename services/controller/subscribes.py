@@ -539,10 +539,12 @@ class SubscribesRoom:
         if end <= start:
             return 0, start
         if self._counter is None:  # kept: a count after each ambiguous chunk, often many a minute
-            # Fetches wait 10 ms at most: one in flight when ``tail`` deletes the topic would
-            # crash the controller (see shared/io/kafka.py, "a fetch that outlives its topic").
+            # Fetches wait 10 ms at most, below the settings' least wait too: one in flight when
+            # ``tail`` deletes the topic would crash the controller (see shared/io/kafka.py, "a
+            # fetch that outlives its topic").
             self._counter = new_consumer(
-                self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"}
+                self.ctx.settings.service.kafka, wait_floor=False,
+                **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"},
             )
         c = self._counter
         n = 0

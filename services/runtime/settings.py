@@ -133,6 +133,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.bootstrap",               "SHARDSINK_KAFKA_BOOTSTRAP",         "--bootstrap",               "127.0.0.1:9092", str,
             "Kafka bootstrap servers", required=True),
     _elsewhere("SHARDSINK_KAFKA_SECURITY_PROTOCOL", "librdkafka security.protocol"),
+    Setting("kafka.fetch_wait_ms",           "SHARDSINK_KAFKA_FETCH_WAIT_MS",     None,                        "0", int,
+            "least fetch.wait.max.ms (ms) of every consumer; 0: each reader's own (5-100). "
+            "The embedded Tansu broker needs 50: it lists a partition's batches within a fetch's wait"),
     # -- S3 -------------------------------------------------------------------------------------------------
     Setting("s3.endpoint",                   "SHARDSINK_S3_ENDPOINT",             "--s3-endpoint",             "", str,
             "S3 endpoint URL (empty: AWS)"),

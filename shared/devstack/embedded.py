@@ -48,6 +48,11 @@ DEFAULT_BUCKET = "shardsink"
 EMBEDDED_ACCESS_KEY = "testing"
 EMBEDDED_SECRET_KEY = "testing"
 EMBEDDED_REGION = "us-east-1"
+#: The least fetch wait (ms) of the consumers of services and clients on this stack
+#: (``SHARDSINK_KAFKA_FETCH_WAIT_MS``): the Tansu broker lists a partition's record batches
+#: within a fetch's wait, and a few thousand batches take longer than the 5 ms that range
+#: readers ask for on a loaded machine ("Fetch waits" in :mod:`shared.io.kafka`).
+EMBEDDED_FETCH_WAIT_MS = 50
 
 
 class EmbeddedStackError(RuntimeError):
@@ -211,6 +216,7 @@ class EmbeddedStack:
         (through the proxies with ``net_faults``; S3 directly with ``direct_s3``)."""
         return {
             "SHARDSINK_KAFKA_BOOTSTRAP": self.bootstrap_servers,
+            "SHARDSINK_KAFKA_FETCH_WAIT_MS": str(EMBEDDED_FETCH_WAIT_MS),
             "SHARDSINK_S3_ENDPOINT": self.s3_endpoint if direct_s3 else self.s3_proxy_endpoint,
             "SHARDSINK_S3_BUCKET": self.bucket,
             "AWS_ACCESS_KEY_ID": EMBEDDED_ACCESS_KEY,

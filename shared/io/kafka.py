@@ -29,6 +29,28 @@ Settings
   mapping is unambiguous. Other ``SHARDSINK_KAFKA_*`` variables (topic names and the like used
   by the services) are not passed to librdkafka.
 
+  ``SHARDSINK_KAFKA_FETCH_WAIT_MS`` (``fetchWaitMs`` among Spark-style options) is not a
+  librdkafka option: it is the least ``fetch.wait.max.ms`` of every consumer
+  (:attr:`KafkaSettings.fetch_wait_ms`; see "Fetch waits" below).
+
+Fetch waits (the embedded broker's listing)
+-------------------------------------------
+Each reader picks its own ``fetch.wait.max.ms``, small (5-20 ms) where it re-assigns its
+consumer often: librdkafka keeps one fetch in flight per broker, so a new assignment waits for
+a fetch parked at a partition's end. Tansu 0.6 (memory storage) answers a fetch by listing
+every record batch of the partition, **within the fetch's wait**, and stops listing when the
+wait is over: a fetch whose offset lies past what it listed in time comes back empty, and
+librdkafka fetches again at once, with the broker burning a core. Measured on these machines,
+one-record batches, a 5 ms wait: the last record of a partition of 5,000 batches came in
+0.22 s, of 8,000 in 2.3 s or not within 20 s; with a 200 ms wait, every offset of a partition
+of 20,000 batches came in 0.2-0.4 s. The benchmark's desired partitions hold about 3,250
+batches each after its six 200k bursts, which a loaded machine does not list in 5 ms.
+:attr:`KafkaSettings.fetch_wait_ms` raises every consumer's wait to at least that much; the
+embedded stack sets it (:data:`shared.devstack.embedded.EMBEDDED_FETCH_WAIT_MS`). The price, on
+Tansu: a fetch parked at a partition's end looks again after half its remaining wait, so a
+record that arrives there is seen up to half the wait late. On real Kafka a fetch returns as
+soon as a record arrives, and ListOffsets and fetches find offsets by index: leave it unset.
+
 Partition ends (the Tansu quirk)
 --------------------------------
 Tansu 0.6's ``ListOffsets(latest)`` (and therefore ``get_watermark_offsets`` and
@@ -64,7 +86,8 @@ fetched from a topic, ``unassign()``, the topic deleted within the fetch's
 one that only asked ListOffsets: none. So a client that reads a topic is closed (or idle for
 longer than its ``fetch.wait.max.ms``) before the topic is deleted: ``shardsink tail`` closes
 its consumer before deleting its output topic, and the controller's count consumer waits at
-most 10 ms per fetch. Real Kafka answers such a fetch with the topic's own id.
+most 10 ms per fetch, whatever :attr:`KafkaSettings.fetch_wait_ms` says (``wait_floor=False``).
+Real Kafka answers such a fetch with the topic's own id.
 """
 
 from __future__ import annotations
@@ -130,11 +153,15 @@ class KafkaSettings:
 
     bootstrap: str
     options: tuple[tuple[str, str], ...] = ()
+    #: The least ``fetch.wait.max.ms`` of every consumer made from these settings (0: each
+    #: reader's own). For brokers that need time to find an offset: see "Fetch waits" above.
+    fetch_wait_ms: int = 0
 
     def __repr__(self) -> str:  # never print secrets (sasl.password, ssl.key.password...)
         shown = tuple((k, "***" if any(w in k for w in ("password", "secret", "pem", "jaas")) else v)
                       for k, v in self.options)
-        return f"KafkaSettings(bootstrap={self.bootstrap!r}, options={shown!r})"
+        wait = f", fetch_wait_ms={self.fetch_wait_ms}" if self.fetch_wait_ms else ""
+        return f"KafkaSettings(bootstrap={self.bootstrap!r}, options={shown!r}{wait})"
 
     def __post_init__(self) -> None:
         if not self.bootstrap or not isinstance(self.bootstrap, str):
@@ -148,6 +175,8 @@ class KafkaSettings:
                 )
             if not isinstance(v, str):
                 raise KafkaConfigError(f"expected a string value for option {k!r}, found {v!r}")
+        if not isinstance(self.fetch_wait_ms, int) or isinstance(self.fetch_wait_ms, bool) or self.fetch_wait_ms < 0:
+            raise KafkaConfigError(f"expected the least fetch wait as whole milliseconds >= 0, found {self.fetch_wait_ms!r}")
 
     @staticmethod
     def of(bootstrap: str, options: Mapping[str, Any] | None = None) -> KafkaSettings:
@@ -164,10 +193,13 @@ class KafkaSettings:
         librdkafka option names are lower case already."""
         bootstrap = ""
         opts: dict[str, str] = {}
+        wait = 0
         for k, v in options.items():
             kl = k.lower()
             if kl == "bootstrap":
                 bootstrap = str(v)
+            elif kl == "fetchwaitms":
+                wait = _fetch_wait(str(v), k)
             elif kl.startswith("kafka."):
                 name = kl[len("kafka.") :]
                 if name == "bootstrap.servers":
@@ -179,7 +211,7 @@ class KafkaSettings:
                 "expected option 'bootstrap' (or 'kafka.bootstrap.servers'), found none among "
                 f"{sorted(options)}"
             )
-        return KafkaSettings(bootstrap, tuple(sorted(opts.items())))
+        return KafkaSettings(bootstrap, tuple(sorted(opts.items())), wait)
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> KafkaSettings:
@@ -190,11 +222,13 @@ class KafkaSettings:
             raise KafkaConfigError(
                 f"expected {ENV_PREFIX}BOOTSTRAP to be set to 'host:port', found it unset"
             )
-        return KafkaSettings(bootstrap, tuple(sorted(env_options(env).items())))
+        wait = _fetch_wait(env.get(FETCH_WAIT_ENV, "") or "0", FETCH_WAIT_ENV)
+        return KafkaSettings(bootstrap, tuple(sorted(env_options(env).items())), wait)
 
     def to_options(self) -> dict[str, str]:
         """The Spark-style options (inverse of :meth:`from_options`)."""
-        return {"bootstrap": self.bootstrap, **{f"kafka.{k}": v for k, v in self.options}}
+        wait = {"fetchWaitMs": str(self.fetch_wait_ms)} if self.fetch_wait_ms else {}
+        return {"bootstrap": self.bootstrap, **wait, **{f"kafka.{k}": v for k, v in self.options}}
 
     def config(self, **extra: Any) -> dict[str, Any]:
         """A confluent-kafka client config: defaults, then ``extra``, then the pass-through
@@ -205,6 +239,20 @@ class KafkaSettings:
         conf.update(extra)
         conf.update(dict(self.options))
         return conf
+
+
+#: The variable of :attr:`KafkaSettings.fetch_wait_ms` (not a librdkafka option).
+FETCH_WAIT_ENV = ENV_PREFIX + "FETCH_WAIT_MS"
+
+
+def _fetch_wait(text: str, where: str) -> int:
+    try:
+        wait = int(text)
+    except ValueError:
+        wait = -1
+    if wait < 0:
+        raise KafkaConfigError(f"expected {where} as whole milliseconds >= 0, found {text!r}")
+    return wait
 
 
 def env_options(environ: Mapping[str, str]) -> dict[str, str]:
@@ -263,10 +311,23 @@ def translate(e: BaseException, what: str) -> KafkaAdapterError:
     return KafkaAdapterError(f"{what}: expected success, found {type(e).__name__}: {e}")
 
 
-def new_consumer(settings: KafkaSettings, **extra: Any) -> Consumer:
+def new_consumer(settings: KafkaSettings, *, wait_floor: bool = True, **extra: Any) -> Consumer:
     """A consumer for ``assign()`` use only (never ``subscribe()``: group joins take about 20 s
     on Tansu, and Spark or the service owns the offsets). librdkafka insists on a group id; a
-    random one that never joins or commits costs nothing."""
+    random one that never joins or commits costs nothing. Without ``wait_floor``, its
+    ``fetch.wait.max.ms`` is its own even below :attr:`KafkaSettings.fetch_wait_ms` (a reader
+    whose fetch must not outlive a topic that may be deleted, see above)."""
+    conf = consumer_config(settings, wait_floor=wait_floor, **extra)
+    try:
+        return Consumer(conf)
+    except (KafkaException, ValueError, TypeError) as e:
+        raise translate(e, "creating a Kafka consumer") from e
+
+
+def consumer_config(settings: KafkaSettings, *, wait_floor: bool = True, **extra: Any) -> dict[str, Any]:
+    """The config of :func:`new_consumer`: its ``fetch.wait.max.ms`` (the reader's own, else
+    librdkafka's 500) raised to :attr:`KafkaSettings.fetch_wait_ms` with ``wait_floor``, unless
+    the options set it."""
     conf = settings.config(
         **{
             "group.id": f"shardsink-assign-{uuid.uuid4().hex[:8]}",
@@ -275,10 +336,10 @@ def new_consumer(settings: KafkaSettings, **extra: Any) -> Consumer:
             **extra,
         }
     )
-    try:
-        return Consumer(conf)
-    except (KafkaException, ValueError, TypeError) as e:
-        raise translate(e, "creating a Kafka consumer") from e
+    if wait_floor and settings.fetch_wait_ms and "fetch.wait.max.ms" not in dict(settings.options):
+        own = int(conf.get("fetch.wait.max.ms", 500))
+        conf["fetch.wait.max.ms"] = str(max(own, settings.fetch_wait_ms))
+    return conf
 
 
 def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -> list[Any]:

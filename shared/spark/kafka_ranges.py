@@ -95,7 +95,7 @@ def read_ranges(
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
     # Its own pool (a pause this reader made never meets read_range's consumers).
-    pool_key = repr(sorted(settings.config(**extra).items())) + "/ranges"
+    pool_key = repr(sorted(settings.config(**extra).items())) + f"/wait{settings.fetch_wait_ms}/ranges"
     consumer, known = take_pooled(pool_key) or (new_consumer(settings, **extra), set())
     pooled = False
     states = {tp: _Reading(ranges[i], next_off=ranges[i].start) for tp, i in todo.items()}

@@ -625,7 +625,7 @@ offsets saves a third of the per-record work)."""
         "fetch.wait.max.ms": "5",  # a re-assigned consumer waits out the fetch in flight
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
-    pool_key = repr(sorted(settings.config(**extra).items()))
+    pool_key = repr(sorted(settings.config(**extra).items())) + f"/wait{settings.fetch_wait_ms}"
     consumer, known = take_pooled(pool_key) or (new_consumer(settings, **extra), set())
     pooled = False
 

@@ -12,7 +12,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from shared.devstack.embedded import EmbeddedStack
 from shared.errors import KafkaConfigError, UnknownTopicError
-from shared.io.kafka import KafkaSettings, OffsetProbe, end_offsets, env_options, partitions_of
+from shared.io.kafka import KafkaSettings, OffsetProbe, consumer_config, end_offsets, env_options, partitions_of
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
@@ -86,6 +86,31 @@ def test_settings_from_spark_options_round_trip() -> None:
         KafkaSettings.from_options({"topics": "a"})
     with pytest.raises(KafkaConfigError, match="BOOTSTRAP"):
         KafkaSettings.from_env({})
+
+
+def test_the_least_fetch_wait_raises_every_consumer_s_own_and_travels_with_the_settings() -> None:
+    """``SHARDSINK_KAFKA_FETCH_WAIT_MS`` is no librdkafka option: it raises each consumer's
+    ``fetch.wait.max.ms`` to at least its value (librdkafka's 500 where a reader sets none),
+    keeps a longer one, yields to the options and to a reader that opts out, and survives the
+    trip through Spark-style options."""
+    env = {"SHARDSINK_KAFKA_BOOTSTRAP": "h:1", "SHARDSINK_KAFKA_FETCH_WAIT_MS": "50"}
+    s = KafkaSettings.from_env(env)
+    assert s.fetch_wait_ms == 50 and s.options == () and "fetch.wait.max.ms" not in s.config()
+    assert consumer_config(s, **{"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "50"
+    assert consumer_config(s, **{"fetch.wait.max.ms": "100"})["fetch.wait.max.ms"] == "100"
+    assert consumer_config(s)["fetch.wait.max.ms"] == "500"
+    assert consumer_config(s, wait_floor=False, **{"fetch.wait.max.ms": "10"})["fetch.wait.max.ms"] == "10"
+    assert consumer_config(KafkaSettings("h:1"), **{"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "5"
+    mine = KafkaSettings.from_env({**env, "SHARDSINK_KAFKA_OPTION_FETCH_WAIT_MAX_MS": "7"})
+    assert consumer_config(mine, **{"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "7"
+    assert KafkaSettings.from_options(s.to_options()) == s
+    assert KafkaSettings.from_options({"bootstrap": "h:1", "fetchWaitMs": "20"}).fetch_wait_ms == 20
+    assert KafkaSettings.from_env({"SHARDSINK_KAFKA_BOOTSTRAP": "h:1"}).fetch_wait_ms == 0
+    for bad in ("-1", "fast", "2.5"):
+        with pytest.raises(KafkaConfigError, match="SHARDSINK_KAFKA_FETCH_WAIT_MS"):
+            KafkaSettings.from_env({**env, "SHARDSINK_KAFKA_FETCH_WAIT_MS": bad})
+    with pytest.raises(KafkaConfigError, match="least fetch wait"):
+        KafkaSettings("h:1", fetch_wait_ms=-5)
 
 
 def test_partitions_of_lists_every_partition_and_unknown_topic_is_typed(

@@ -36,6 +36,7 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 #: What the settings are with no variable set and no flag given.
 DEFAULTS: dict[str, Any] = {
     "kafka.bootstrap": "127.0.0.1:9092",
+    "kafka.fetch_wait_ms": 0,
     "s3.endpoint": None,
     "s3.bucket": "shardsink",
     "s3.prefix": "",
@@ -63,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
 #: field -> (variable, flag, text a user sets, the field's value then).
 OVERRIDES: dict[str, tuple[str | None, str | None, str, Any]] = {
     "kafka.bootstrap": ("SHARDSINK_KAFKA_BOOTSTRAP", "--bootstrap", "broker:9093", "broker:9093"),
+    "kafka.fetch_wait_ms": ("SHARDSINK_KAFKA_FETCH_WAIT_MS", None, "50", 50),
     "s3.endpoint": ("SHARDSINK_S3_ENDPOINT", "--s3-endpoint", "http://s3:9000", "http://s3:9000"),
     "s3.bucket": ("SHARDSINK_S3_BUCKET", "--bucket", "lake", "lake"),
     "s3.prefix": ("SHARDSINK_S3_PREFIX", "--s3-prefix", "team/a", "team/a"),

@@ -216,3 +216,26 @@ def test_split_waves_keeps_order_bounds_each_wave_and_puts_large_or_marked_items
     marked = list(kr.split_waves(sizes, lambda n: n, 100, alone=lambda n: n == 99 or n > 100))
     assert marked == [[30, 50], [40], [250], [10, 10], [99], [1, 60]]
     assert list(kr.split_waves([], lambda n: n, 100)) == []
+
+
+def test_a_range_deep_in_a_partition_of_many_batches_is_read_with_the_embedded_stack_s_settings(
+        stack: EmbeddedStack) -> None:
+    """The embedded broker lists a partition's record batches within a fetch's wait: 12,000
+    one-record batches take longer than the range readers' own 5 ms, and a fetch of their last
+    offsets then came back empty again and again (shared/io/kafka.py, "Fetch waits"). With the
+    stack's settings (their least fetch wait) the ranges come whole, the newest included."""
+    from confluent_kafka import Producer
+
+    topic = f"ranges-deep-{uuid.uuid4().hex[:10]}"
+    create_topic(stack.bootstrap_servers, topic, 1)
+    p = Producer({"bootstrap.servers": stack.bootstrap_servers, "linger.ms": 0})
+    n = 12_000
+    for i in range(n):
+        p.produce(topic, value=b"v%05d" % i, partition=0)
+        p.flush()  # one batch per record
+    settings = KafkaSettings.from_env(stack.env())
+    assert settings.fetch_wait_ms >= 50
+    ranges = [Range(topic, 0, n - 3, n), Range(topic, 0, n // 2, n // 2 + 5)]
+    got = read_ranges(settings, schema=SCHEMA, ranges=ranges, timeout_s=30.0, values_only=True)
+    assert [(o, v) for _, _, o, v in rows(got[0])] == [(o, b"v%05d" % o) for o in range(n - 3, n)]
+    assert [(o, v) for _, _, o, v in rows(got[1])] == [(o, b"v%05d" % o) for o in range(n // 2, n // 2 + 5)]
