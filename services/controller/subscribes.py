@@ -83,7 +83,7 @@ from shared.controller_state import (
 )
 from shared.errors import DecodeError, KafkaAdapterError, KafkaTimeoutError, SinceViolationError, UnknownTopicError
 from shared.frontier import Frontier
-from shared.io.kafka import OffsetProbe, consume_available, new_consumer
+from shared.io.kafka import OffsetProbe, consume_available, new_consumer_own_wait
 from shared.io.kafka_admin import ensure_topic
 from shared.shard import DIFF, ERROR, TIME
 from shared.state import ShardState
@@ -542,9 +542,8 @@ class SubscribesRoom:
             # Fetches wait 10 ms at most, below the settings' least wait too: one in flight when
             # ``tail`` deletes the topic would crash the controller (see shared/io/kafka.py, "a
             # fetch that outlives its topic").
-            self._counter = new_consumer(
-                self.ctx.settings.service.kafka, wait_floor=False,
-                **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"},
+            self._counter = new_consumer_own_wait(
+                self.ctx.settings.service.kafka, **{"auto.offset.reset": "earliest", "fetch.wait.max.ms": "10"}
             )
         c = self._counter
         n = 0

@@ -86,7 +86,7 @@ fetched from a topic, ``unassign()``, the topic deleted within the fetch's
 one that only asked ListOffsets: none. So a client that reads a topic is closed (or idle for
 longer than its ``fetch.wait.max.ms``) before the topic is deleted: ``shardsink tail`` closes
 its consumer before deleting its output topic, and the controller's count consumer waits at
-most 10 ms per fetch, whatever :attr:`KafkaSettings.fetch_wait_ms` says (``wait_floor=False``).
+most 10 ms per fetch, whatever :attr:`KafkaSettings.fetch_wait_ms` says (:func:`new_consumer_own_wait`).
 Real Kafka answers such a fetch with the topic's own id.
 """
 
@@ -311,20 +311,29 @@ def translate(e: BaseException, what: str) -> KafkaAdapterError:
     return KafkaAdapterError(f"{what}: expected success, found {type(e).__name__}: {e}")
 
 
-def new_consumer(settings: KafkaSettings, *, wait_floor: bool = True, **extra: Any) -> Consumer:
+def new_consumer(settings: KafkaSettings, **extra: Any) -> Consumer:
     """A consumer for ``assign()`` use only (never ``subscribe()``: group joins take about 20 s
     on Tansu, and Spark or the service owns the offsets). librdkafka insists on a group id; a
-    random one that never joins or commits costs nothing. Without ``wait_floor``, its
-    ``fetch.wait.max.ms`` is its own even below :attr:`KafkaSettings.fetch_wait_ms` (a reader
-    whose fetch must not outlive a topic that may be deleted, see above)."""
-    conf = consumer_config(settings, wait_floor=wait_floor, **extra)
+    random one that never joins or commits costs nothing."""
+    return _consumer(consumer_config(settings, extra))
+
+
+def new_consumer_own_wait(settings: KafkaSettings, **extra: Any) -> Consumer:
+    """:func:`new_consumer` whose ``fetch.wait.max.ms`` is its own even below
+    :attr:`KafkaSettings.fetch_wait_ms`: for a reader whose fetch must not outlive a topic that
+    may be deleted (see above)."""
+    return _consumer(consumer_config(settings, extra, wait_floor=False))
+
+
+def _consumer(conf: dict[str, Any]) -> Consumer:
     try:
         return Consumer(conf)
     except (KafkaException, ValueError, TypeError) as e:
         raise translate(e, "creating a Kafka consumer") from e
 
 
-def consumer_config(settings: KafkaSettings, *, wait_floor: bool = True, **extra: Any) -> dict[str, Any]:
+def consumer_config(settings: KafkaSettings, extra: Mapping[str, Any] | None = None, *,
+                    wait_floor: bool = True) -> dict[str, Any]:
     """The config of :func:`new_consumer`: its ``fetch.wait.max.ms`` (the reader's own, else
     librdkafka's 500) raised to :attr:`KafkaSettings.fetch_wait_ms` with ``wait_floor``, unless
     the options set it."""
@@ -333,7 +342,7 @@ def consumer_config(settings: KafkaSettings, *, wait_floor: bool = True, **extra
             "group.id": f"shardsink-assign-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": "false",
             "enable.auto.offset.store": "false",
-            **extra,
+            **(extra or {}),
         }
     )
     if wait_floor and settings.fetch_wait_ms and "fetch.wait.max.ms" not in dict(settings.options):

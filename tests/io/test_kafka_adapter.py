@@ -96,13 +96,13 @@ def test_the_least_fetch_wait_raises_every_consumer_s_own_and_travels_with_the_s
     env = {"SHARDSINK_KAFKA_BOOTSTRAP": "h:1", "SHARDSINK_KAFKA_FETCH_WAIT_MS": "50"}
     s = KafkaSettings.from_env(env)
     assert s.fetch_wait_ms == 50 and s.options == () and "fetch.wait.max.ms" not in s.config()
-    assert consumer_config(s, **{"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "50"
-    assert consumer_config(s, **{"fetch.wait.max.ms": "100"})["fetch.wait.max.ms"] == "100"
+    assert consumer_config(s, {"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "50"
+    assert consumer_config(s, {"fetch.wait.max.ms": "100"})["fetch.wait.max.ms"] == "100"
     assert consumer_config(s)["fetch.wait.max.ms"] == "500"
-    assert consumer_config(s, wait_floor=False, **{"fetch.wait.max.ms": "10"})["fetch.wait.max.ms"] == "10"
-    assert consumer_config(KafkaSettings("h:1"), **{"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "5"
+    assert consumer_config(s, {"fetch.wait.max.ms": "10"}, wait_floor=False)["fetch.wait.max.ms"] == "10"
+    assert consumer_config(KafkaSettings("h:1"), {"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "5"
     mine = KafkaSettings.from_env({**env, "SHARDSINK_KAFKA_OPTION_FETCH_WAIT_MAX_MS": "7"})
-    assert consumer_config(mine, **{"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "7"
+    assert consumer_config(mine, {"fetch.wait.max.ms": "5"})["fetch.wait.max.ms"] == "7"
     assert KafkaSettings.from_options(s.to_options()) == s
     assert KafkaSettings.from_options({"bootstrap": "h:1", "fetchWaitMs": "20"}).fetch_wait_ms == 20
     assert KafkaSettings.from_env({"SHARDSINK_KAFKA_BOOTSTRAP": "h:1"}).fetch_wait_ms == 0
