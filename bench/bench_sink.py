@@ -32,6 +32,10 @@ Prints progress on stderr and, as its last stdout line, one JSON object:
   (``freshness_breakdown``): progress -> description minted, minted -> last writer report,
   last report -> upper published. ``freshness_1k_p50_s`` / ``freshness_1k_p99_s``: the same
   at ~1k updates/s, a rate far below the sink's throughput: the latency floor of the hops.
+  ``freshness_broker_cpu_share`` / ``freshness_1k_broker_cpu_share``: the embedded broker's
+  CPU over each run (its steps and the catch-up after them), as a share of all cores (the
+  broker lists a partition's batches on every fetch that finds records: see "Fetch waits" in
+  ``shared/io/kafka.py``).
 - ``correction_peak_ratio``: peak bytes of the correction buffer during hydration over the
   collection's Arrow size (``bench/bench_correction.py``'s ``measure_hydration_ratio``).
 - ``baseline_cpu_s`` / ``sink_cpu_s``: CPU seconds of the baseline's and of the services'
@@ -875,12 +879,13 @@ def main() -> int:
             out["sink_vs_baseline"] = round(out["sink_updates_per_s"] / out["baseline_updates_per_s"], 3)
 
             # -- 3. freshness at a steady ~10k updates/s (and at 1k/s: the latency floor) -------
-            def freshness(per_step: int, seconds: float) -> tuple[list[float], float, dict[int, float]]:
+            def freshness(per_step: int, seconds: float) -> tuple[list[float], float, dict[int, float], float]:
                 steps = int(seconds / 0.5)
                 batches = [wl.make(per_step) for _ in range(steps)]
                 adv_mono: dict[int, float] = {}
                 adv_wall: dict[int, float] = {}
                 log(f"freshness: {steps} steps of {per_step} updates every 0.5 s")
+                broker0 = stack.cpu_seconds().get("kafka", 0.0)
                 t_start = time.monotonic()
                 for i, b in enumerate(batches):
                     f = wl.send_step(b)
@@ -892,10 +897,11 @@ def main() -> int:
                 achieved = steps * per_step / (time.monotonic() - t_start)
                 last = max(adv_mono)
                 wait_for(lambda: watch.upper >= last, 900, "the sink to catch up after the freshness run", [svc])
-                return [(watch.when(f) or 0.0) - t for f, t in adv_mono.items()], achieved, adv_wall
+                broker = (stack.cpu_seconds().get("kafka", 0.0) - broker0) / ((time.monotonic() - t_start) * (os.cpu_count() or 1))
+                return [(watch.when(f) or 0.0) - t for f, t in adv_mono.items()], achieved, adv_wall, round(broker, 3)
 
             loads["freshness"] = load()
-            fresh, achieved, adv_wall = freshness(5_000, fresh_s)
+            fresh, achieved, adv_wall, out["freshness_broker_cpu_share"] = freshness(5_000, fresh_s)
             out["freshness_p50_s"] = round(pct(fresh, 0.5), 3)
             out["freshness_p99_s"] = round(pct(fresh, 0.99), 3)
             out["freshness_max_s"] = round(max(fresh), 3)
@@ -903,7 +909,7 @@ def main() -> int:
             out["freshness_breakdown"] = freshness_breakdown(settings.kafka, settings, sink_id, adv_wall)
             log(f"freshness: p50 {out['freshness_p50_s']}s p99 {out['freshness_p99_s']}s at {achieved:.0f} updates/s; {out['freshness_breakdown']}")
             loads["freshness_1k"] = load()
-            fresh, achieved, adv_wall = freshness(500, fresh_s / 2)
+            fresh, achieved, adv_wall, out["freshness_1k_broker_cpu_share"] = freshness(500, fresh_s / 2)
             out["freshness_1k_p50_s"] = round(pct(fresh, 0.5), 3)
             out["freshness_1k_p99_s"] = round(pct(fresh, 0.99), 3)
             out["freshness_1k_breakdown"] = freshness_breakdown(settings.kafka, settings, sink_id, adv_wall)
