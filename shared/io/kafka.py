@@ -351,6 +351,12 @@ def consumer_config(settings: KafkaSettings, extra: Mapping[str, Any] | None = N
     return conf
 
 
+def consumer_pool_key(settings: KafkaSettings, extra: Mapping[str, Any]) -> str:
+    """What tells pooled consumers apart: the config :func:`new_consumer` gives them (the least
+    fetch wait applied), its random group id aside."""
+    return repr(sorted((k, v) for k, v in consumer_config(settings, extra).items() if k != "group.id"))
+
+
 def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -> list[Any]:
     """Up to ``max_messages`` messages: waits at most ``timeout_s`` for the first, then takes
     those already fetched without waiting. (``Consumer.consume(n, timeout)`` returns only

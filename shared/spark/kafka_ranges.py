@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from shared.errors import KafkaAdapterError, KafkaDataLossError, KafkaTimeoutError
-from shared.io.kafka import KafkaSettings, new_consumer, translate
+from shared.io.kafka import KafkaSettings, consumer_pool_key, new_consumer, translate
 from shared.spark.consumer_pool import give_back, take_pooled
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ def read_ranges(
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
     # Its own pool (a pause this reader made never meets read_range's consumers).
-    pool_key = repr(sorted(settings.config(**extra).items())) + f"/wait{settings.fetch_wait_ms}/ranges"
+    pool_key = consumer_pool_key(settings, extra) + "/ranges"
     consumer, known = take_pooled(pool_key) or (new_consumer(settings, **extra), set())
     pooled = False
     states = {tp: _Reading(ranges[i], next_off=ranges[i].start) for tp, i in todo.items()}

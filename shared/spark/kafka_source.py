@@ -100,7 +100,7 @@ from shared.errors import (
     KafkaUnavailableError,
     UnknownTopicError,
 )
-from shared.io.kafka import KafkaSettings, OffsetProbe, new_consumer, translate
+from shared.io.kafka import KafkaSettings, OffsetProbe, consumer_pool_key, new_consumer, translate
 from shared.kafka_offsets import (
     Offsets,
     advance,
@@ -625,7 +625,7 @@ offsets saves a third of the per-record work)."""
         "fetch.wait.max.ms": "5",  # a re-assigned consumer waits out the fetch in flight
         "queued.min.messages": str(max(batch_size, 100_000)),
     }
-    pool_key = repr(sorted(settings.config(**extra).items())) + f"/wait{settings.fetch_wait_ms}"
+    pool_key = consumer_pool_key(settings, extra)
     consumer, known = take_pooled(pool_key) or (new_consumer(settings, **extra), set())
     pooled = False
 
